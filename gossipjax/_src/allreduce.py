@@ -1,0 +1,46 @@
+"""The all-reduce baseline: every node applies the global average gradient (PmSGD)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from gossipjax.backend import Backend, simulate
+
+
+def all_reduce(backend: Backend | None = None) -> optax.GradientTransformation:
+  """Replaces every node's update by the average over all nodes (an all-reduce)."""
+  backend = backend or simulate()
+
+  def update_fn(updates, state, params=None):
+    del params
+    return backend.mean(updates), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
+def allreduce_sgd(
+    learning_rate: optax.ScalarOrSchedule = 0.1,
+    beta: float = 0.0,
+    backend: Backend | None = None,
+) -> optax.GradientTransformation:
+  r"""Parallel momentum SGD (PmSGD / AllReduce-SGD), the centralized baseline.
+
+  .. math::
+    \bar g^k = \frac{1}{n}\sum_i g_i^k, \quad m^{k+1} = \beta m^k + \bar g^k, \quad
+    x_i^{k+1} = x_i^k - \gamma_k m^{k+1}.
+
+  Nodes that start equal stay equal (exactly, up to round-off), so this is one model
+  trained on the global batch.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    beta: momentum coefficient.
+    backend: where the nodes live (default: simulate).
+  """
+  parts: list[Any] = [all_reduce(backend)]
+  if not (isinstance(beta, (int, float)) and beta == 0):
+    parts.append(optax.trace(decay=beta))
+  parts.append(optax.scale_by_learning_rate(learning_rate))
+  return optax.chain(*parts)

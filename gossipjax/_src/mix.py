@@ -1,0 +1,67 @@
+"""``mix``: the gossip step as an optax transform."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from gossipjax.backend import Backend
+from gossipjax._src.mixing import check_node_axis, make_mixer, require_params
+
+
+class MixState(NamedTuple):
+  count: jax.Array  # steps taken; selects W(k) for time-varying topologies
+
+
+def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.GradientTransformation:
+  r"""Turns a local update ``u`` into a gossiped one: ``u' = W(x + u) - x``.
+
+  Applied after a local optimizer, ``x + u' = W(x + u)``: every node takes its local step,
+  then averages with its neighbours. Where ``mix`` sits in an ``optax.chain`` is the
+  algorithm: ``chain(trace(beta), scale(-lr), mix(W))`` is DmSGD and
+  ``chain(adam(lr), mix(W))`` is decentralized Adam.
+
+  .. math:: x^{k+1} = W^{(k)} (x^k + u^k)
+
+  Args:
+    topology: a ``gj.topology`` (doubly stochastic), a dense matrix or a networkx graph.
+    every: gossip every ``every`` steps and apply ``u`` locally in between (local SGD);
+      W advances one step of its period per gossip round.
+    backend: where the nodes live (default: ``gj.backend.simulate()``).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> tx = optax.chain(optax.sgd(0.1), gj.mix(gj.topology.ring(4)))
+    >>> x = jnp.arange(4.0)[:, None]
+    >>> u, _ = tx.update(jnp.zeros_like(x), tx.init(x), x)
+    >>> (x + u).ravel().tolist()
+    [1.6666666666666667, 1.0, 2.0, 2.3333333333333335]
+  """
+  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    raise ValueError(f"mix: every must be a positive integer, got {every!r}")
+  mixer = make_mixer(topology, backend)
+
+  def init_fn(params):
+    del params
+    return MixState(count=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    require_params(params, "gj.mix")
+    check_node_axis(params, mixer.local_nodes, mixer.topology.name)
+    x_half = jax.tree.map(lambda x, u: x + u, params, updates)
+
+    def gossip(x_half):
+      mixed = mixer.mix(x_half, state.count // every)
+      return jax.tree.map(lambda m, x: (m - x).astype(x.dtype), mixed, params)
+
+    if every == 1:
+      new_updates = gossip(x_half)
+    else:
+      new_updates = lax.cond(state.count % every == every - 1, gossip, lambda _: updates, x_half)
+    return new_updates, MixState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,35 @@
+"""What a backend provides to the algorithms: a mixer per topology, and an all-reduce mean."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+
+from gossipjax.topology import Topology
+
+
+class Mixer(Protocol):
+  """Applies W(step) to pytrees whose leaves carry the (local block of the) node axis."""
+
+  topology: Topology
+  local_nodes: int  # the leading-axis size the transform sees where it runs
+
+  def mix(self, tree: Any, step: jax.Array | int) -> Any:
+    """``x_i <- sum_j W(step)[i, j] x_j`` for every node, on every leaf."""
+    ...
+
+
+class Backend(Protocol):
+  """Where the nodes live. Backends are data (frozen dataclasses), not callables."""
+
+  def mixer(self, topology: Topology) -> Mixer:
+    ...
+
+  def mean(self, tree: Any) -> Any:
+    """Every node gets the average over all n nodes (the all-reduce)."""
+    ...
+
+  def local_nodes(self, num_nodes: int) -> int:
+    """How many nodes sit on the leading axis where a transform runs."""
+    ...

@@ -1,0 +1,133 @@
+import math
+
+import networkx as nx
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import gossipjax as gj
+from gossipjax import topology as T
+
+STATIC = [T.ring(8), T.torus(3, 4), T.exponential(16), T.exponential(12), T.hypercube(8), T.complete(5),
+          T.erdos_renyi(12, 0.4, seed=3), T.grid(3, 3, weights="metropolis"), T.star(6, weights="metropolis")]
+
+
+@pytest.mark.parametrize("topo", STATIC, ids=lambda t: t.name)
+def test_static_families_are_doubly_stochastic_and_plan_equals_dense(topo):
+  w = topo.matrix()
+  np.testing.assert_allclose(w.sum(0), 1, atol=1e-12)
+  np.testing.assert_allclose(w.sum(1), 1, atol=1e-12)
+  topo.check("doubly")
+  np.testing.assert_allclose(topo.plans()[0].dense(), w, atol=1e-15)
+  for r in topo.plans()[0].rounds:  # every round is a partial permutation
+    senders = r.src[r.weight > 0]
+    assert len(set(senders.tolist())) == len(senders)
+
+
+def test_ring_uses_blueFog_uniform_weights():
+  w = T.ring(6).matrix()
+  assert w[0, 0] == pytest.approx(1 / 3) and w[0, 1] == pytest.approx(1 / 3) and w[0, 5] == pytest.approx(1 / 3)
+  assert w[0, 2] == 0
+  assert len(T.ring(6).plans()[0].rounds) == 2  # one shift each way
+
+
+@pytest.mark.parametrize("n", [4, 8, 16, 32, 64, 128])
+def test_exponential_rho_matches_closed_form(n):
+  assert T.rho(T.exponential(n)) == pytest.approx(1 - 2 / (1 + math.log2(n)), abs=1e-12)
+  assert T.exponential(n).max_degree() == int(math.log2(n))
+  assert len(T.exponential(n).plans()[0].rounds) == int(math.log2(n))
+
+
+def test_exponential_receives_from_powers_of_two():
+  w = T.exponential(8).matrix()
+  assert set(np.flatnonzero(w[3]).tolist()) == {3, 4, 5, 7}
+  np.testing.assert_allclose(w[3][w[3] > 0], 0.25)
+
+
+def test_ring_rho_tends_to_one():
+  rhos = [T.rho(T.ring(n)) for n in (8, 16, 32, 64)]
+  assert all(a < b for a, b in zip(rhos, rhos[1:])) and rhos[-1] > 0.99
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 64])
+def test_one_peer_exponential_period_product_is_exact_average(n):
+  topo = T.one_peer_exponential(n)
+  assert topo.period == int(math.log2(n)) and topo.is_time_varying == (n > 2)
+  prod = np.eye(n)
+  for k in range(topo.period):
+    w = topo.matrix(k)
+    assert (w > 0).sum(axis=1).max() == 2  # one peer per step
+    prod = w @ prod
+  np.testing.assert_allclose(prod, np.full((n, n), 1 / n), atol=1e-14)
+  np.testing.assert_array_equal(topo.matrix(topo.period), topo.matrix(0))
+
+
+def test_hypercube_uses_log_n_xor_rounds():
+  topo = T.hypercube(16)
+  assert len(topo.plans()[0].rounds) == 4
+  assert T.rho(topo) == pytest.approx(1 - 2 / 5)
+
+
+def test_torus_and_grid_weights():
+  assert T.torus(4, 4).matrix()[0, 0] == pytest.approx(1 / 5)
+  g = T.grid(3, 3)  # uniform weights: rows sum to 1, columns do not
+  np.testing.assert_allclose(g.matrix().sum(1), 1)
+  with pytest.raises(ValueError, match="metropolis"):
+    g.check("doubly")
+
+
+def test_networkx_and_adjacency_agree():
+  g = nx.cycle_graph(7)
+  np.testing.assert_allclose(T.from_networkx(g).matrix(), T.ring(7).matrix())
+  np.testing.assert_allclose(T.from_adjacency(nx.to_numpy_array(g)).matrix(), T.ring(7).matrix())
+  np.testing.assert_allclose(T.as_topology(g).matrix(), T.ring(7).matrix())
+  tx = gj.gossip_sgd(g, learning_rate=0.1)  # a graph is accepted where a topology is
+  assert tx is not None
+
+
+@pytest.mark.parametrize(
+    "w, match",
+    [
+        (np.array([[0.5, np.nan], [0.5, 0.5]]), "non-finite entry W\\[0, 1\\]"),
+        (np.array([[1.5, -0.5], [0.5, 0.5]]), "negative weight W\\[0, 1\\]"),
+        (np.array([[0.5, 0.4], [0.5, 0.5]]), "row 0 sums to 0.9"),
+        (np.array([[0.7, 0.3], [0.5, 0.5]]), "column 0 sums to 1.2"),
+        (np.eye(3), "not connected"),
+        (np.ones((2, 3)), "square"),
+    ],
+)
+def test_bad_matrices_raise_saying_what_is_wrong(w, match):
+  with pytest.raises(ValueError, match=match):
+    gj.gossip_sgd(T.from_matrix(w), learning_rate=0.1)
+
+
+def test_bad_sizes_raise():
+  for bad in (0, -3, 2.5, True):
+    with pytest.raises(ValueError, match="number of nodes"):
+      T.ring(bad)
+  with pytest.raises(ValueError, match="power of 2"):
+    T.hypercube(12)
+  with pytest.raises(ValueError, match="disconnected"):
+    T.erdos_renyi(30, 0.01, seed=0)
+
+
+@st.composite
+def random_graphs(draw):
+  n = draw(st.integers(2, 14))
+  seed = draw(st.integers(0, 10_000))
+  rng = np.random.default_rng(seed)
+  upper = np.triu(rng.random((n, n)) < draw(st.floats(0.2, 0.9)), k=1)
+  ring = np.roll(np.eye(n, dtype=bool), 1, axis=1)  # a ring inside keeps it connected
+  adj = upper | upper.T | ring | ring.T
+  return adj
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_graphs())
+def test_random_graphs_metropolis_doubly_stochastic_and_sparse_plan_is_exact(adj):
+  topo = T.from_adjacency(adj, weights="metropolis")
+  topo.check("doubly")
+  plan = topo.plans()[0]
+  np.testing.assert_allclose(plan.dense(), topo.matrix(), atol=1e-15)
+  assert len(plan.rounds) <= 2 * topo.max_degree() - 1
+  assert T.rho(topo) < 1
