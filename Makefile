@@ -1,0 +1,36 @@
+# Two commands for a new machine with only Python 3: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(CURDIR)/$(VENV)/bin
+# mpicc and mpiexec of the mpich wheel live in the venv's bin.
+export PATH := $(BIN):$(PATH)
+
+.PHONY: demo test install install-mpi clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+# mpi4jax builds from source against the mpich wheel. On machines with nvcc but no CUDA
+# headers its build tries the CUDA bridge and fails; an empty CUDA_PATH builds the CPU bridge only.
+$(VENV)/.installed-mpi: $(VENV)/.installed
+	$(BIN)/python -m pip install -q mpich 'mpi4py>=4.0'
+	mkdir -p $(VENV)/no-cuda
+	CUDA_PATH=$(CURDIR)/$(VENV)/no-cuda MPI4JAX_BUILD_MPICC=$(BIN)/mpicc $(BIN)/python -m pip install -q 'mpi4jax>=0.9'
+	touch $@
+
+install: $(VENV)/.installed
+install-mpi: $(VENV)/.installed-mpi
+
+demo: install
+	$(BIN)/gossipjax train
+
+test: install-mpi
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs
