@@ -1,6 +1,21 @@
 """Where the nodes live: one device (simulate), sharded devices, pmap, or MPI ranks."""
 
 from gossipjax.backend._base import Backend, Mixer
+from gossipjax.backend._mpi import Mpi, mpi
+from gossipjax.backend._pmapped import Pmapped, pmapped
+from gossipjax.backend._sharded import Sharded, sharded
 from gossipjax.backend._simulate import Simulate, apply_plan, simulate
 
-__all__ = ("Backend", "Mixer", "Simulate", "apply_plan", "simulate")
+__all__ = (
+    "Backend",
+    "Mixer",
+    "Mpi",
+    "Pmapped",
+    "Sharded",
+    "Simulate",
+    "apply_plan",
+    "mpi",
+    "pmapped",
+    "sharded",
+    "simulate",
+)

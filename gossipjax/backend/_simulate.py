@@ -48,7 +48,36 @@ class SimulateMixer:
     if isinstance(step, (int, np.integer)):
       return apply(plans[int(step) % len(plans)])(tree)
     # The step is traced: one compiled program serves every step of the period.
-    return lax.switch(jnp.asarray(step) % len(plans), [apply(p) for p in plans], tree)
+    if len(plans) <= _MAX_SWITCH_BRANCHES:
+      return lax.switch(jnp.asarray(step) % len(plans), [apply(p) for p in plans], tree)
+    # A long period (e.g. a pool of random matchings) compiles one branch per step under
+    # lax.switch; a gather from a (period, rounds, n) table compiles once.
+    self_w, src, w = _plan_table(plans)
+    k = jnp.asarray(step) % len(plans)
+    return jax.tree.map(lambda x: _apply_table_row(self_w[k], src[k], w[k], x), tree)
+
+
+_MAX_SWITCH_BRANCHES = 16
+
+
+def _plan_table(plans) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Stacks the plans into self weights (period, n), sources and weights (period, rounds, n)."""
+  n, num_rounds = plans[0].num_nodes, max(len(p.rounds) for p in plans)
+  self_w = np.stack([p.self_weight for p in plans])
+  src = np.tile(np.arange(n), (len(plans), num_rounds, 1))  # unused rounds: weight 0 from self
+  w = np.zeros((len(plans), num_rounds, n))
+  for k, p in enumerate(plans):
+    for c, r in enumerate(p.rounds):
+      src[k, c], w[k, c] = r.src, r.weight
+  return jnp.asarray(self_w), jnp.asarray(src, jnp.int32), jnp.asarray(w)
+
+
+def _apply_table_row(self_w: jax.Array, src: jax.Array, w: jax.Array, x: jax.Array) -> jax.Array:
+  shape = (-1,) + (1,) * (x.ndim - 1)
+  out = self_w.astype(x.dtype).reshape(shape) * x
+  for c in range(src.shape[0]):
+    out = out + w[c].astype(x.dtype).reshape(shape) * jnp.take(x, src[c], axis=0)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""Transforms called inside ``jax.pmap``: each device holds its block of nodes, mixing by ``lax.ppermute``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gossipjax.backend._blocks import BlockPlan, check_divisible, compile_topology, mix_blocks
+from gossipjax.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PmappedMixer:
+  """W(step) on this device's block of ``local_nodes`` nodes, inside ``pmap(..., axis_name=axis_name)``."""
+
+  topology: Topology
+  axis_name: str
+  num_devices: int
+  plans: tuple[BlockPlan, ...]
+
+  @property
+  def local_nodes(self) -> int:
+    return self.topology.num_nodes // self.num_devices
+
+  def mix(self, tree: Any, step: jax.Array | int = 0) -> Any:
+    axis = self.axis_name
+    size = lax.axis_size(axis)
+    if size != self.num_devices:
+      raise ValueError(
+          f"gj.backend.pmapped: the pmap over {axis!r} has {size} devices but the backend was built for "
+          f"{self.num_devices}; pass gj.backend.pmapped(axis_size={size})"
+      )
+
+    def exchange(ex, send, x):
+      del x
+      return lax.ppermute(send, axis, perm=ex.pairs)
+
+    return mix_blocks(self.plans, tree, step, lax.axis_index(axis), exchange)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pmapped:
+  """Transforms run inside ``jax.pmap(..., axis_name=axis_name)`` over ``axis_size`` devices.
+
+  Device d holds nodes ``d*B ... d*B + B - 1`` with B = n / axis_size; every leaf keeps a
+  leading axis of B (1 for one node per device).
+
+  Attributes:
+    axis_name: the pmap axis name.
+    axis_size: the number of devices the pmap runs over (default: ``jax.device_count()``).
+  """
+
+  axis_name: str = "nodes"
+  axis_size: int | None = None
+
+  @property
+  def num_devices(self) -> int:
+    return int(self.axis_size) if self.axis_size is not None else jax.device_count()
+
+  def mixer(self, topology: Topology) -> PmappedMixer:
+    k = self.num_devices
+    check_divisible(topology, k, f"devices of pmap axis {self.axis_name!r}")
+    return PmappedMixer(topology, self.axis_name, k, compile_topology(topology, k))
+
+  def mean(self, tree: Any) -> Any:
+    def leaf(x):
+      return jnp.broadcast_to(lax.pmean(jnp.mean(x, axis=0, keepdims=True), self.axis_name), x.shape)
+
+    return jax.tree.map(leaf, tree)
+
+  def local_nodes(self, num_nodes: int) -> int:
+    return num_nodes // self.num_devices
+
+
+def pmapped(axis_name: str = "nodes", axis_size: int | None = None) -> Pmapped:
+  """For transforms called inside ``jax.pmap(..., axis_name=axis_name)``.
+
+  Each device passes its own block of B = n / axis_size nodes (leading axis B); the
+  mixing is ``lax.ppermute`` over the pmap axis, at most two per cyclic shift.
+
+  Example:
+    >>> import jax, gossipjax as gj
+    >>> k = jax.device_count()
+    >>> tx = gj.gossip_sgd(gj.topology.ring(2 * k), backend=gj.backend.pmapped("nodes"))
+  """
+  return Pmapped(axis_name, axis_size)

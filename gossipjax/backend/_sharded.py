@@ -1,0 +1,135 @@
+"""The node axis sharded over a device mesh: mixing is ``lax.ppermute`` inside ``jax.shard_map``.
+
+The algorithm sees GLOBAL arrays (leading axis n, sharded on the mesh axis), so its
+elementwise code runs as it does in simulation; only the mixing drops into
+``shard_map``, where each device holds B = n / K nodes and exchanges rows with the devices
+its nodes' neighbours live on. The same code spans hosts after ``jax.distributed.initialize``
+(the mesh then holds every process's devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gossipjax.backend._blocks import BlockPlan, check_divisible, compile_topology, mix_blocks
+from gossipjax.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedMixer:
+  """W(step) on global arrays whose leading (node) axis is sharded over ``mesh[axis]``."""
+
+  topology: Topology
+  mesh: Mesh
+  axis: str
+  plans: tuple[BlockPlan, ...]
+
+  @property
+  def local_nodes(self) -> int:
+    return self.topology.num_nodes  # the transforms see global arrays
+
+  def mix(self, tree: Any, step: jax.Array | int = 0) -> Any:
+    axis, plans = self.axis, self.plans
+
+    def exchange(ex, send, x):
+      del x
+      return lax.ppermute(send, axis, perm=ex.pairs)
+
+    def body(tree, step):
+      return mix_blocks(plans, tree, step, lax.axis_index(axis), exchange)
+
+    specs = jax.tree.map(lambda _: P(axis), tree)
+    if len(plans) == 1 or isinstance(step, (int, np.integer)):
+      fn = lambda t: body(t, step)
+      return jax.shard_map(fn, mesh=self.mesh, in_specs=(specs,), out_specs=specs)(tree)
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P()), out_specs=specs)
+    return fn(tree, jnp.asarray(step))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sharded:
+  """Params are global arrays sharded along the node axis over ``mesh[axis]``.
+
+  Attributes:
+    mesh: a ``jax.sharding.Mesh`` with an axis named ``axis`` (other axes see replicated params).
+    axis: the mesh axis the nodes are split over.
+  """
+
+  mesh: Mesh
+  axis: str = "nodes"
+
+  def __post_init__(self):
+    if not isinstance(self.mesh, Mesh):
+      raise TypeError(f"gj.backend.sharded needs a jax.sharding.Mesh, got {type(self.mesh).__name__}")
+    if self.axis not in self.mesh.axis_names:
+      raise ValueError(
+          f"gj.backend.sharded: the mesh has axes {tuple(self.mesh.axis_names)} but no axis named "
+          f"{self.axis!r}; build it with e.g. jax.make_mesh(({len(self.mesh.devices.flat)},), "
+          f"({self.axis!r},)) or pass axis= one of its names"
+      )
+
+  @property
+  def num_devices(self) -> int:
+    return int(self.mesh.shape[self.axis])
+
+  @property
+  def sharding(self) -> NamedSharding:
+    """Where a node-stacked leaf lives: its leading axis split over ``mesh[axis]``."""
+    return NamedSharding(self.mesh, P(self.axis))
+
+  def shard(self, tree: Any) -> Any:
+    """Places a tree of node-stacked host arrays on the mesh (every process passes the full arrays)."""
+
+    def put(x):
+      if isinstance(x, jax.Array) and x.sharding == self.sharding:
+        return x
+      host = np.asarray(x)
+      if host.ndim == 0 or host.shape[0] % self.num_devices:
+        raise ValueError(
+            f"gj.backend.sharded: a leaf of shape {host.shape} cannot be split over the "
+            f"{self.num_devices} devices of mesh axis {self.axis!r} (its leading node axis must be a multiple)"
+        )
+      return jax.make_array_from_callback(host.shape, self.sharding, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree)
+
+  def mixer(self, topology: Topology) -> ShardedMixer:
+    check_divisible(topology, self.num_devices, f"devices of mesh axis {self.axis!r}")
+    return ShardedMixer(topology, self.mesh, self.axis, compile_topology(topology, self.num_devices))
+
+  def mean(self, tree: Any) -> Any:
+    axis = self.axis
+
+    def body(x):
+      total = lax.psum(jnp.sum(x, axis=0, keepdims=True), axis)
+      n = x.shape[0] * lax.axis_size(axis)
+      return jnp.broadcast_to(total / n, x.shape).astype(x.dtype)
+
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=P(axis), out_specs=P(axis))
+    return jax.tree.map(fn, tree)
+
+  def local_nodes(self, num_nodes: int) -> int:
+    return num_nodes
+
+
+def sharded(mesh: Mesh, axis: str = "nodes") -> Sharded:
+  """Nodes split over the devices of ``mesh[axis]`` (B = n / K per device), mixing by ``ppermute``.
+
+  Params and gradients are global ``jax.Array`` s whose leading node axis is sharded with
+  ``NamedSharding(mesh, P(axis))`` (``backend.shard(tree)`` puts host arrays there). Works
+  across hosts after ``jax.distributed.initialize``.
+
+  Example:
+    >>> import jax, gossipjax as gj
+    >>> mesh = jax.make_mesh((len(jax.devices()),), ("nodes",))
+    >>> be = gj.backend.sharded(mesh)
+    >>> tx = gj.gossip_sgd(gj.topology.ring(8 * len(jax.devices())), beta=0.9, backend=be)
+  """
+  return Sharded(mesh, axis)
