@@ -82,12 +82,30 @@ def test_gossip_sgd_with_schedule():
   np.testing.assert_allclose(got, dmsgd_np(T.ring(N), x0, a, b, 0.5, lambda k: float(sched(jnp.asarray(k, jnp.int32)))), atol=1e-12)
 
 
-@pytest.mark.parametrize("topo", TOPOLOGIES[:3], ids=lambda t: t.name)
+SYMMETRIC = [T.ring(N), T.exponential(N, symmetric=True), T.torus(2, 4), T.erdos_renyi(N, 0.5, seed=1)]
+
+
+@pytest.mark.parametrize("topo", SYMMETRIC, ids=lambda t: t.name)
 def test_decentlam_matches_its_rule(topo):
   a, b = least_squares()
   x0 = np.random.default_rng(2).normal(size=(N, D))
   got = run_tx(gj.decentlam(topo, beta=0.8, learning_rate=0.05), x0, a, b)
   np.testing.assert_allclose(got, decentlam_np(topo, x0, a, b, 0.8, lambda k: 0.05), atol=1e-12)
+
+
+@pytest.mark.parametrize("topo", [T.exponential(16), T.one_peer_exponential(8)], ids=lambda t: t.name)
+def test_decentlam_refuses_directed_w_and_says_why(topo):
+  with pytest.raises(ValueError, match="decentlam needs a symmetric W"):
+    gj.decentlam(topo, beta=0.9, learning_rate=0.1)
+
+
+def test_decentlam_on_directed_exponential_really_diverges():
+  """The reason for the check above: with zero gradients the consensus error grows."""
+  w = T.exponential(16).matrix()
+  x = x_prev = np.random.default_rng(0).normal(size=(16, 1))
+  for _ in range(200):
+    x, x_prev = w @ x + 0.9 * (x - x_prev), x
+  assert np.abs(x - x.mean()).max() > 1e6
 
 
 def test_decentlam_full_batch_equals_heavy_ball_form():
@@ -139,7 +157,7 @@ def test_mix_preserves_average_and_contracts_disagreement():
 @pytest.mark.parametrize("make", [
     lambda t: gj.gossip_sgd(t, beta=0.9, learning_rate=0.1),
     lambda t: gj.gossip_sgd(t, learning_rate=optax.linear_schedule(0.1, 0.0, 10)),
-    lambda t: gj.decentlam(t, beta=0.9, learning_rate=0.1),
+    lambda t: gj.decentlam(T.ring(8), beta=0.9, learning_rate=0.1),
     lambda t: optax.chain(optax.adam(1e-3), gj.mix(t)),
     lambda t: gj.allreduce_sgd(0.1, beta=0.9),
 ], ids=["dmsgd", "dpsgd-schedule", "decentlam", "adam+mix", "allreduce"])

@@ -6,10 +6,31 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.mixing import check_node_axis, make_mixer, require_params
+
+
+def _check_symmetric(topology, beta) -> None:
+  """DecentLaM assumes a symmetric W (seed 001, assumption A.3); on a directed graph its
+  heavy-ball consensus recursion ``x+ = W x + beta (x - x_prev)`` can be unstable."""
+  if topology.is_symmetric():
+    return
+  detail = ""
+  n = topology.num_nodes
+  if n <= 256 and isinstance(beta, (int, float)):
+    w = topology.matrix(0)
+    companion = np.block([[w + beta * np.eye(n), -beta * np.eye(n)], [np.eye(n), np.zeros((n, n))]])
+    radius = float(np.max(np.abs(np.linalg.eigvals(companion))))
+    detail = f" (here its spectral radius is {radius:.3f} at beta={beta}{': it diverges' if radius > 1 + 1e-9 else ''})"
+  raise ValueError(
+      f"decentlam needs a symmetric W, but {topology.name} is directed: DecentLaM's recursion "
+      f"x+ = W x + beta (x - x_prev) is only analysed, and only stable in general, for symmetric W{detail}. "
+      "Use an undirected topology (ring, torus, hypercube, exponential(n, symmetric=True), metropolis weights) "
+      "or gj.gossip_sgd for directed graphs."
+  )
 
 
 class DecentLaMState(NamedTuple):
@@ -42,6 +63,7 @@ def decentlam(
     backend: where the nodes live (default: simulate).
   """
   mixer = make_mixer(topology, backend)
+  _check_symmetric(mixer.topology, beta)
 
   def init_fn(params):
     return DecentLaMState(count=jnp.zeros([], jnp.int32), momentum=optax.tree.zeros_like(params))

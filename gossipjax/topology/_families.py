@@ -95,22 +95,27 @@ def complete(n: int) -> Topology:
   return Topology(np.full((n, n), 1.0 / n), name=f"complete({n})")
 
 
-def exponential(n: int) -> Topology:
+def exponential(n: int, symmetric: bool = False) -> Topology:
   """Static exponential graph (Ying et al. 2021; BlueFog's default).
 
-  Directed: node i receives from ``(i + 2^k) mod n`` for every ``2^k < n``, each of these
-  ``ceil(log2 n)`` peers and the node itself weighted ``1 / (1 + number of peers)``. It is
-  circulant, hence doubly stochastic; for n a power of 2, ``rho = 1 - 2 / (1 + log2 n)``.
+  Directed (default): node i receives from ``(i + 2^k) mod n`` for every ``2^k < n``, each
+  of these ``ceil(log2 n)`` peers and the node itself weighted ``1 / (1 + number of peers)``.
+  It is circulant, hence doubly stochastic; for n a power of 2, ``rho = 1 - 2 / (1 + log2 n)``.
+
+  ``symmetric=True`` gives the undirected variant (i talks to ``i +- 2^k``), for methods
+  that need a symmetric W such as DecentLaM and exact diffusion.
   """
   n = _check_n(n, "exponential")
   peers = sorted({(2**k) % n for k in range(max(1, math.ceil(math.log2(n))) if n > 1 else 0)} - {0})
+  if symmetric:
+    peers = sorted(set(peers) | {(-h) % n for h in peers})
   w = np.zeros((n, n))
   for i in range(n):
     w[i, i] = 1.0
     for h in peers:
       w[i, (i + h) % n] += 1.0
   w /= w.sum(axis=1, keepdims=True)
-  return Topology(w, name=f"exponential({n})")
+  return Topology(w, name=f"{'symmetric_' if symmetric else ''}exponential({n})")
 
 
 def hypercube(n: int) -> Topology:

@@ -182,6 +182,10 @@ class Topology:
       )
     return self
 
+  def is_symmetric(self) -> bool:
+    """True when every W(k) equals its transpose (an undirected graph with symmetric weights)."""
+    return bool(np.allclose(self._matrices, self._matrices.transpose(0, 2, 1), atol=1e-12))
+
   def __repr__(self) -> str:
     kind = f"time-varying, period {self.period}" if self.is_time_varying else "static"
     return f"Topology({self.name}, n={self.num_nodes}, {kind})"

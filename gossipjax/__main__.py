@@ -1,0 +1,3 @@
+from gossipjax.cli import main
+
+main()

@@ -1,0 +1,23 @@
+"""The main job: train a flax model on n simulated nodes and compare algorithms and topologies."""
+
+from gossipjax.train._loop import RunConfig, TrainState, accuracy, cross_entropy, run, timed_run
+from gossipjax.train._models import MLP
+from gossipjax.train._registry import ALGORITHMS, TOPOLOGIES, make_algorithm, make_topology
+from gossipjax.train._report import plot, result_table, write_metrics
+
+__all__ = (
+    "ALGORITHMS",
+    "MLP",
+    "RunConfig",
+    "TOPOLOGIES",
+    "TrainState",
+    "accuracy",
+    "cross_entropy",
+    "make_algorithm",
+    "make_topology",
+    "plot",
+    "result_table",
+    "run",
+    "timed_run",
+    "write_metrics",
+)

@@ -1,0 +1,135 @@
+"""The training loop of the main job: n simulated nodes, one algorithm, metrics per chunk of steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from gossipjax._src.nodes import check_finite, consensus_distance, init_nodes, node_mean
+from gossipjax.data import Dataset, node_data, partition_by_class, partition_dirichlet, partition_iid, sample_batches
+
+
+@dataclasses.dataclass
+class RunConfig:
+  """One training run. Plain values only, so it can be written to JSON."""
+
+  algorithm: str = "dmsgd"
+  topology: str | None = "ring"
+  num_nodes: int = 16
+  steps: int = 500
+  batch_size: int = 16
+  learning_rate: float = 0.1
+  beta: float = 0.9
+  partition: str = "dirichlet"  # iid | dirichlet | by_class
+  alpha: float = 0.5
+  classes_per_node: int = 2
+  hidden: tuple[int, ...] = (64,)
+  seed: int = 0
+  log_every: int = 25
+
+  @property
+  def name(self) -> str:
+    return self.algorithm if self.topology is None else f"{self.algorithm}/{self.topology}"
+
+
+def partition(labels: np.ndarray, cfg: RunConfig) -> list[np.ndarray]:
+  if cfg.partition == "iid":
+    return partition_iid(labels, cfg.num_nodes, cfg.seed)
+  if cfg.partition == "dirichlet":
+    return partition_dirichlet(labels, cfg.num_nodes, cfg.alpha, cfg.seed)
+  if cfg.partition == "by_class":
+    return partition_by_class(labels, cfg.num_nodes, cfg.classes_per_node, cfg.seed)
+  raise ValueError(f"unknown partition {cfg.partition!r}; choose iid, dirichlet or by_class")
+
+
+def cross_entropy(apply_fn: Callable, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+  return optax.softmax_cross_entropy_with_integer_labels(apply_fn(params, x), y).mean()
+
+
+def accuracy(apply_fn: Callable, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+  return jnp.mean(jnp.argmax(apply_fn(params, x), axis=-1) == y)
+
+
+@dataclasses.dataclass
+class TrainState:
+  """Everything a run needs to continue: a checkpoint of this resumes exactly."""
+
+  step: int
+  params: Any
+  opt_state: Any
+
+
+def run(
+    cfg: RunConfig,
+    dataset: Dataset,
+    model: Any,
+    tx: optax.GradientTransformation,
+    progress: Callable[[int], None] | None = None,
+    state: TrainState | None = None,
+    on_chunk: Callable[[TrainState], None] | None = None,
+) -> tuple[TrainState, list[dict[str, float]]]:
+  """Trains ``cfg.num_nodes`` stacked copies of ``model`` with ``tx`` and logs metrics.
+
+  The minibatch of step k is drawn from ``fold_in(key, k)``, so the data position is the
+  step counter and a run restored from ``state`` continues exactly.
+
+  Returns:
+    The final state and one metrics row per ``cfg.log_every`` steps.
+  """
+  key = jax.random.key(cfg.seed)
+  data = node_data(dataset.x_train, dataset.y_train, partition(dataset.y_train, cfg))
+  x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
+  if state is None:
+    params = init_nodes(lambda k: model.init(k, x_test[:1]), jax.random.fold_in(key, 0), cfg.num_nodes)
+    state = TrainState(0, params, tx.init(params))
+  batch_key = jax.random.fold_in(key, 1)
+  loss_fn = lambda p, x, y: cross_entropy(model.apply, p, x, y)
+
+  def one_step(carry, k):
+    params, opt_state = carry
+    xb, yb = sample_batches(data, jax.random.fold_in(batch_key, k), cfg.batch_size)
+    loss, grads = jax.vmap(jax.value_and_grad(loss_fn))(params, xb, yb)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), jnp.mean(loss)
+
+  @jax.jit
+  def chunk(params, opt_state, start):
+    (params, opt_state), losses = lax.scan(one_step, (params, opt_state), start + jnp.arange(cfg.log_every))
+    mean = node_mean(params)
+    node_acc = jax.vmap(lambda p: accuracy(model.apply, p, x_test, y_test))(params)
+    metrics = {
+        "train_loss": jnp.mean(losses),
+        "consensus_distance": consensus_distance(params),
+        "test_loss": cross_entropy(model.apply, mean, x_test, y_test),
+        "test_accuracy": accuracy(model.apply, mean, x_test, y_test),
+        "node_accuracy_mean": jnp.mean(node_acc),
+        "node_accuracy_min": jnp.min(node_acc),
+    }
+    return params, opt_state, metrics
+
+  history = []
+  params, opt_state, step = state.params, state.opt_state, state.step
+  while step < cfg.steps:
+    params, opt_state, metrics = chunk(params, opt_state, jnp.asarray(step, jnp.int32))
+    step += cfg.log_every
+    check_finite(params, step)
+    history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+    state = TrainState(step, params, opt_state)
+    if on_chunk is not None:
+      on_chunk(state)
+    if progress is not None:
+      progress(cfg.log_every)
+  return state, history
+
+
+def timed_run(cfg: RunConfig, dataset: Dataset, model: Any, tx: optax.GradientTransformation, **kwargs):
+  t0 = time.perf_counter()
+  state, history = run(cfg, dataset, model, tx, **kwargs)
+  return state, history, time.perf_counter() - t0
