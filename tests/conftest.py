@@ -1,3 +1,9 @@
+import os
+
+# 8 CPU devices for the sharded and pmapped backends; XLA reads this when jax first loads.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 import jax
 
 # float64 so that trajectories can be compared to NumPy references at round-off, and

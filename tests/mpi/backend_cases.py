@@ -1,0 +1,83 @@
+"""Shared by the backend tests and the launched scripts: one problem, the algorithms, the topologies.
+
+Every backend runs the same transforms on the same least-squares problem; the tests hold
+each backend's trajectory against the simulate backend's (float64, to ~1e-12).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gossipjax as gj
+from gossipjax import topology as T
+
+D, STEPS, LR, BETA = 3, 8, 0.05, 0.9
+
+
+def problem(n, seed=0, m=6):
+  """Heterogeneous least squares, ``f_i(x) = 1/(2m) ||A_i x - b_i||^2``, and a start x0 (numpy)."""
+  rng = np.random.default_rng(seed)
+  a = rng.normal(size=(n, m, D))
+  b = rng.normal(size=(n, m)) + np.arange(n)[:, None]
+  x0 = rng.normal(size=(n, D))
+  return x0, a, b
+
+
+def grads(x, a, b):
+  """Per-node gradients for any leading block of nodes."""
+  return jax.vmap(jax.grad(lambda xi, ai, bi: 0.5 * jnp.mean((ai @ xi - bi) ** 2)))(x, a, b)
+
+
+def topologies(n):
+  """Static circulant, time-varying, and non-circulant (torus, random) graphs on n nodes."""
+  side = int(round(np.sqrt(n)))
+  torus = T.torus(side, n // side) if side * (n // side) == n and side >= 3 else T.torus(2, n // 2)
+  return [T.ring(n), T.one_peer_exponential(n), torus, T.erdos_renyi(n, 0.4, seed=1)]
+
+
+ALGORITHMS = {
+    "mix": lambda topo, be: optax.chain(optax.sgd(LR), gj.mix(topo, backend=be)),
+    "gossip_sgd": lambda topo, be: gj.gossip_sgd(topo, beta=BETA, learning_rate=LR, backend=be),
+    "decentlam": lambda topo, be: gj.decentlam(topo, beta=BETA, learning_rate=LR, backend=be),
+    "allreduce_sgd": lambda topo, be: gj.allreduce_sgd(learning_rate=LR, beta=BETA, backend=be),
+}
+
+
+def applies(name, topology):
+  """DecentLaM is defined for symmetric W only (it rejects directed graphs)."""
+  return name != "decentlam" or all(np.allclose(m, m.T) for m in topology.matrices)
+
+
+def cases(n):
+  """(algorithm, topology) pairs: every algorithm on every topology it accepts."""
+  return [(name, topo) for topo in topologies(n) for name in ALGORITHMS if applies(name, topo)]
+
+
+def algorithm(name, topology, backend):
+  return ALGORITHMS[name](topology, backend)
+
+
+def make_step(tx):
+  def step(x, state, a, b):
+    updates, state = tx.update(grads(x, a, b), state, x)
+    return optax.apply_updates(x, updates), state
+
+  return step
+
+
+def trajectory(tx, x0, a, b, steps=STEPS, wrap=jax.jit):
+  """Params after each step, stacked (steps, *x0.shape), as host numpy arrays."""
+  step = wrap(make_step(tx))
+  x, state = x0, wrap(tx.init)(x0)
+  out = []
+  for _ in range(steps):
+    x, state = step(x, state, a, b)
+    out.append(np.asarray(x))
+  return np.stack(out)
+
+
+def reference(name, topology, x0, a, b, steps=STEPS):
+  """The simulate backend's trajectory of algorithm ``name``."""
+  tx = algorithm(name, topology, gj.backend.simulate())
+  return trajectory(tx, jnp.asarray(x0), jnp.asarray(a), jnp.asarray(b), steps)
