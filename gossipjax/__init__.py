@@ -4,7 +4,7 @@ Every algorithm is an ``optax.GradientTransformation`` over params whose leaves 
 leading node axis; a topology (the mixing matrix W) says who averages with whom.
 """
 
-from gossipjax import backend, data, topology
+from gossipjax import asynchrony, backend, data, topology
 from gossipjax._src.allreduce import all_reduce, allreduce_sgd
 from gossipjax._src.decentlam import DecentLaMState, decentlam
 from gossipjax._src.gossip_sgd import gossip_sgd
@@ -26,6 +26,7 @@ __all__ = (
     "MixState",
     "all_reduce",
     "allreduce_sgd",
+    "asynchrony",
     "backend",
     "check_finite",
     "consensus_distance",
