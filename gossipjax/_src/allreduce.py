@@ -7,17 +7,18 @@ from typing import Any
 import optax
 
 from gossipjax.backend import Backend, simulate
+from gossipjax._src.mixing import check_learning_rate, check_momentum
 
 
-def all_reduce(backend: Backend | None = None) -> optax.GradientTransformation:
+def all_reduce(backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
   """Replaces every node's update by the average over all nodes (an all-reduce)."""
   backend = backend or simulate()
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
     return backend.mean(updates), state
 
-  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+  return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
 
 
 def allreduce_sgd(
@@ -39,6 +40,8 @@ def allreduce_sgd(
     beta: momentum coefficient.
     backend: where the nodes live (default: simulate).
   """
+  check_learning_rate(learning_rate, "gj.allreduce_sgd")
+  check_momentum(beta, "gj.allreduce_sgd")
   parts: list[Any] = [all_reduce(backend)]
   if not (isinstance(beta, (int, float)) and beta == 0):
     parts.append(optax.trace(decay=beta))

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from gossipjax.backend import Backend
-from gossipjax._src.mixing import check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import check_learning_rate, check_momentum, check_node_axis, make_mixer, require_params
 
 
 def _check_symmetric(topology, beta) -> None:
@@ -43,7 +43,7 @@ def decentlam(
     beta: float = 0.9,
     learning_rate: optax.ScalarOrSchedule = 0.1,
     backend: Backend | None = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""DecentLaM (Yuan et al., ICCV 2021; Algorithm 2 of seed 001).
 
   The momentum is fed the gossip-corrected gradient, so the momentum-induced part of the
@@ -62,13 +62,16 @@ def decentlam(
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
   """
+  check_learning_rate(learning_rate, "gj.decentlam")
+  check_momentum(beta, "gj.decentlam")
   mixer = make_mixer(topology, backend)
   _check_symmetric(mixer.topology, beta)
 
   def init_fn(params):
     return DecentLaMState(count=jnp.zeros([], jnp.int32), momentum=optax.tree.zeros_like(params))
 
-  def update_fn(grads, state, params=None):
+  def update_fn(grads, state, params=None, **extra_args):
+    del extra_args
     require_params(params, "gj.decentlam")
     check_node_axis(params, mixer.local_nodes, mixer.topology.name)
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
@@ -84,4 +87,4 @@ def decentlam(
     updates = jax.tree.map(lambda m: (-lr * m).astype(m.dtype), mom)
     return updates, DecentLaMState(count=optax.safe_increment(state.count), momentum=mom)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

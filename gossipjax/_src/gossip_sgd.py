@@ -8,6 +8,7 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.mix import mix
+from gossipjax._src.mixing import check_learning_rate, check_momentum
 
 
 def gossip_sgd(
@@ -41,6 +42,8 @@ def gossip_sgd(
     >>> optax.apply_updates(x, updates).shape
     (8, 3)
   """
+  check_learning_rate(learning_rate, "gj.gossip_sgd")
+  check_momentum(beta, "gj.gossip_sgd")
   parts = []
   if not (isinstance(beta, (int, float)) and beta == 0):
     parts.append(optax.trace(decay=beta))

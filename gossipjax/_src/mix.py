@@ -10,6 +10,7 @@ import optax
 from jax import lax
 
 from gossipjax.backend import Backend
+from gossipjax._src.guard import SkipNodes, zero_skipped
 from gossipjax._src.mixing import check_node_axis, make_mixer, require_params
 
 
@@ -17,7 +18,7 @@ class MixState(NamedTuple):
   count: jax.Array  # steps taken; selects W(k) for time-varying topologies
 
 
-def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.GradientTransformation:
+def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
   r"""Turns a local update ``u`` into a gossiped one: ``u' = W(x + u) - x``.
 
   Applied after a local optimizer, ``x + u' = W(x + u)``: every node takes its local step,
@@ -32,6 +33,9 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
     every: gossip every ``every`` steps and apply ``u`` locally in between (local SGD);
       W advances one step of its period per gossip round.
     backend: where the nodes live (default: ``gj.backend.simulate()``).
+
+  Under ``gj.guard_finite`` the update takes the extra arg ``skip_nodes``: those nodes'
+  local updates are zeroed before mixing (they send their current params).
 
   Example:
     >>> import jax.numpy as jnp, optax, gossipjax as gj
@@ -49,9 +53,11 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
     del params
     return MixState(count=jnp.zeros([], jnp.int32))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, skip_nodes: SkipNodes | None = None, **extra_args):
+    del extra_args
     require_params(params, "gj.mix")
     check_node_axis(params, mixer.local_nodes, mixer.topology.name)
+    updates = zero_skipped(updates, skip_nodes)
     x_half = jax.tree.map(lambda x, u: x + u, params, updates)
 
     def gossip(x_half):
@@ -61,7 +67,8 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
     if every == 1:
       new_updates = gossip(x_half)
     else:
-      new_updates = lax.cond(state.count % every == every - 1, gossip, lambda _: updates, x_half)
+      local = jax.tree.map(lambda u, x: u.astype(x.dtype), updates, params)  # both branches: params' dtypes
+      new_updates = lax.cond(state.count % every == every - 1, gossip, lambda _: local, x_half)
     return new_updates, MixState(count=optax.safe_increment(state.count))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

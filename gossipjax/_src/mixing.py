@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from gossipjax.backend import Backend, Mixer, simulate
 from gossipjax.topology import Topology, as_topology
@@ -35,3 +36,40 @@ def check_node_axis(tree: Any, expected: int, topology_name: str, what: str = "p
 def require_params(params: Any, name: str) -> None:
   if params is None:
     raise ValueError(f"{name} needs the current params: call tx.update(updates, state, params)")
+
+
+def _concrete_scalar(value: Any, name: str, what: str) -> float | None:
+  """``value`` as a float; ``None`` when it is traced (``inject_hyperparams`` under ``jit``)."""
+  if isinstance(value, jax.core.Tracer):
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating, np.ndarray, jax.Array)):
+    raise TypeError(f"{name}: {what} must be a float, got {type(value).__name__} {value!r}")
+  if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.number):
+    raise TypeError(f"{name}: {what} must be a scalar number, got {np.asarray(value).dtype} of shape {np.shape(value)}")
+  return float(np.asarray(value))
+
+
+def check_learning_rate(learning_rate: Any, name: str) -> None:
+  """Raises unless ``learning_rate`` is a finite, non-negative number or a schedule (a callable).
+
+  A schedule's values are not checked here (that would call it); a traced value (a
+  hyperparameter injected under ``jit``) is accepted as it is.
+  """
+  if callable(learning_rate):
+    return
+  if isinstance(learning_rate, bool) or not isinstance(
+      learning_rate, (int, float, np.integer, np.floating, np.ndarray, jax.Array, jax.core.Tracer)):
+    raise TypeError(f"{name}: learning_rate must be a float or an optax schedule (a callable step -> rate), "
+                    f"got {type(learning_rate).__name__} {learning_rate!r}")
+  lr = _concrete_scalar(learning_rate, name, "learning_rate")
+  if lr is not None and not np.isfinite(lr):
+    raise ValueError(f"{name}: learning_rate must be finite, got {lr}")
+  if lr is not None and lr < 0:
+    raise ValueError(f"{name}: learning_rate must be non-negative, got {lr} (a negative rate ascends the loss)")
+
+
+def check_momentum(beta: Any, name: str) -> None:
+  """Raises unless ``beta`` is a finite number in [0, 1) (a traced value is accepted as it is)."""
+  b = _concrete_scalar(beta, name, "beta (the momentum)")
+  if b is not None and not (np.isfinite(b) and 0 <= b < 1):
+    raise ValueError(f"{name}: beta (the momentum) must be in [0, 1), got {b}")

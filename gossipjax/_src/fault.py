@@ -1,0 +1,64 @@
+"""MPI jobs that fail fast: an uncaught exception on one rank aborts every rank."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+_installed: dict[str, Any] = {}
+
+
+def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
+  """Makes an uncaught exception on this rank abort the whole MPI job.
+
+  Without it, a rank that raises exits (or blocks in ``MPI_Finalize``) while the other
+  ranks wait forever in their next collective or receive: the job hangs until a wall-clock
+  limit. With it, the exception's traceback is printed as usual and then
+  ``comm.Abort(errorcode)`` tells ``mpiexec`` to kill every rank, so the job ends with a
+  non-zero status within seconds. (This is what ``python -m mpi4py script.py`` does; this
+  function gives it to scripts launched as ``mpiexec python script.py``.)
+
+  Covers exceptions in the main thread (``sys.excepthook``) and in other threads
+  (``threading.excepthook``). Calling it again replaces the communicator; it is a no-op
+  without mpi4py.
+
+  Args:
+    comm: the mpi4py communicator to abort (default ``MPI.COMM_WORLD``).
+    errorcode: the exit status ``mpiexec`` reports.
+  """
+  if comm is None:
+    try:
+      from mpi4py import MPI
+    except ImportError:
+      return
+    comm = MPI.COMM_WORLD
+  first = not _installed
+  _installed["comm"], _installed["errorcode"] = comm, errorcode
+  if not first:
+    return
+  previous_sys, previous_thread = sys.excepthook, threading.excepthook
+
+  def abort() -> None:
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except Exception:  # a closed stream must not stop the abort
+        pass
+    _installed["comm"].Abort(_installed["errorcode"])
+
+  def sys_hook(kind, value, tb):
+    try:
+      previous_sys(kind, value, tb)
+    finally:
+      abort()
+
+  def thread_hook(args):
+    try:
+      previous_thread(args)
+    finally:
+      if args.exc_type is not SystemExit:
+        abort()
+
+  sys.excepthook = sys_hook
+  threading.excepthook = thread_hook

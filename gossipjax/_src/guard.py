@@ -1,0 +1,201 @@
+"""``guard_finite``: a node whose gradient has a NaN or inf skips its step instead of poisoning the graph."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+class GuardFiniteState(NamedTuple):
+  """State of `guard_finite`.
+
+  Attributes:
+    inner_state: the wrapped transform's state.
+    nonfinite_count: int32 (nodes,), how many steps each node has skipped in all.
+    consecutive: int32 (nodes,), how many steps in a row each node has skipped, up to now.
+    max_consecutive: int32 scalar, the streak at which `check_guard` raises (0: never).
+  """
+
+  inner_state: Any
+  nonfinite_count: jax.Array
+  consecutive: jax.Array
+  max_consecutive: jax.Array
+
+
+class SkipNodes:
+  """The nodes that skip this step, handed down an ``optax.chain`` as the extra arg ``skip_nodes``.
+
+  A transform that mixes (``gj.mix``) zeroes the local update of these nodes before it
+  mixes and calls `zero_skipped`, which records that the skip was handled there; the guard
+  then leaves the mixed updates as they are. Python state set while tracing, so it costs
+  nothing at run time.
+  """
+
+  def __init__(self, mask: jax.Array):
+    self.mask = mask
+    self.handled = False
+
+
+def _per_node(mask: jax.Array, x: jax.Array) -> jax.Array:
+  return mask.reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def zero_skipped(updates: Any, skip_nodes: SkipNodes | None) -> Any:
+  """Zeroes the updates of the nodes in ``skip_nodes`` (a no-op when it is ``None``)."""
+  if skip_nodes is None:
+    return updates
+  skip_nodes.handled = True
+  mask = skip_nodes.mask
+  return jax.tree.map(lambda u: jnp.where(_per_node(mask, u), jnp.zeros_like(u), u), updates)
+
+
+def _num_nodes(tree: Any, what: str) -> int:
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    raise ValueError(f"guard_finite: {what} has no leaves")
+  sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+  if len(sizes) != 1 or None in sizes:
+    raise ValueError(f"guard_finite: every leaf of {what} needs the same leading node axis, got sizes {sizes}")
+  return sizes.pop()
+
+
+def _bad_nodes(grads: Any, n: int) -> jax.Array:
+  bad = jnp.zeros((n,), bool)
+  for g in jax.tree.leaves(grads):
+    bad = bad | ~jnp.isfinite(g).reshape(n, -1).all(axis=1)
+  return bad
+
+
+def _keep_old_for_bad(new: Any, old: Any, bad: jax.Array, n: int) -> Any:
+  """Per-node leaves (leading axis n, numeric) of bad nodes go back to their old values."""
+
+  def pick(a, b):
+    if (isinstance(a, jax.Array) and a.ndim >= 1 and a.shape[0] == n and a.shape == jnp.shape(b)
+        and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)):
+      return jnp.where(_per_node(bad, a), b, a)
+    return a
+
+  return jax.tree.map(pick, new, old)
+
+
+def guard_finite(inner: optax.GradientTransformation, max_consecutive: int | None = 10) -> optax.GradientTransformationExtraArgs:
+  r"""Wraps ``inner`` so that a node with a NaN/inf gradient skips its step.
+
+  At every step each node's gradient is checked (all leaves). For a node ``i`` with a
+  non-finite entry anywhere:
+
+  1. its gradient is replaced by zeros before ``inner`` sees it, so nothing non-finite
+     enters any computation;
+  2. its local update is zero: ``gj.mix`` (hence ``gossip_sgd``, ``chain(adam, mix)`` and
+     every chain built on it) is told which nodes skip (the extra arg ``skip_nodes``) and
+     mixes ``x_i + 0``, so node i still sends its current, finite params and still receives
+     its neighbours': :math:`x_i^{k+1} = \sum_j w_{ij}(x_j^k + u_j^k)` with :math:`u_i^k = 0`.
+     The average over nodes is preserved as usual. For an ``inner`` that does not take
+     ``skip_nodes`` (a purely local optimizer, ``decentlam``, a custom method) the guard
+     zeroes node i's final update instead: node i is frozen for the step (its neighbours
+     then mixed its finite params, computed with a zero gradient);
+  3. its per-node state (every leaf of ``inner``'s state whose leading axis is the node
+     axis: momentum, Adam moments, trackers) is kept as it was before the step, so the
+     skipped gradient leaves no trace. Scalar state (step counts) advances for every node,
+     so the schedule and the time-varying W(k) stay in step across nodes.
+
+  ``nonfinite_count`` (see `gj.nonfinite_counts`) counts the skipped steps per node and
+  ``consecutive`` the current streak; `gj.check_guard` raises ``FloatingPointError``
+  naming the node once a streak reaches ``max_consecutive``. Under a backend that splits
+  the nodes (MPI, sharded) the guard sees, and counts, the local block of nodes.
+
+  Args:
+    inner: any optax transform over stacked (node-axis) params.
+    max_consecutive: the streak of skipped steps at which `check_guard` raises; ``None``
+      or 0 never raises.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.guard_finite(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1))
+    >>> x = jnp.zeros((4, 2))
+    >>> g = jnp.ones((4, 2)).at[1, 0].set(jnp.nan)
+    >>> u, state = tx.update(g, tx.init(x), x)
+    >>> gj.nonfinite_counts(state).tolist(), bool(jnp.isfinite(u).all())
+    ([0, 1, 0, 0], True)
+  """
+  if max_consecutive is None:
+    max_consecutive = 0
+  if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, (int, np.integer)) or max_consecutive < 0:
+    raise ValueError(f"guard_finite: max_consecutive must be a non-negative integer or None, got {max_consecutive!r}")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    n = _num_nodes(params, "params")
+    zeros = jnp.zeros((n,), jnp.int32)
+    return GuardFiniteState(inner.init(params), zeros, zeros, jnp.asarray(max_consecutive, jnp.int32))
+
+  def update_fn(grads, state, params=None, **extra_args):
+    n = state.nonfinite_count.shape[0]
+    if _num_nodes(grads, "the gradients") != n:
+      raise ValueError(f"guard_finite: the gradients have {_num_nodes(grads, 'the gradients')} nodes on the "
+                       f"leading axis but the state was initialised for {n}")
+    bad = _bad_nodes(grads, n)
+    safe = jax.tree.map(lambda g: jnp.where(_per_node(bad, g), jnp.zeros_like(g), g), grads)
+    skip = SkipNodes(bad)
+    updates, inner_state = inner.update(safe, state.inner_state, params, skip_nodes=skip, **extra_args)
+    if not skip.handled:
+      updates = zero_skipped(updates, SkipNodes(bad))
+    inner_state = _keep_old_for_bad(inner_state, state.inner_state, bad, n)
+    bad_i = bad.astype(jnp.int32)
+    return updates, GuardFiniteState(
+        inner_state=inner_state,
+        nonfinite_count=state.nonfinite_count + bad_i,
+        consecutive=(state.consecutive + 1) * bad_i,
+        max_consecutive=state.max_consecutive,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _find_guard_state(state: Any) -> GuardFiniteState:
+  found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, GuardFiniteState))
+           if isinstance(s, GuardFiniteState)]
+  if not found:
+    raise ValueError("no guard_finite state in this optimizer state: wrap the optimizer with gj.guard_finite")
+  if len(found) > 1:
+    raise ValueError(f"this optimizer state holds {len(found)} guard_finite states; pass the one you mean")
+  return found[0]
+
+
+def nonfinite_counts(state: Any) -> np.ndarray:
+  """Per node, how many steps `guard_finite` skipped for a NaN/inf gradient (a host NumPy array).
+
+  ``state`` is the optimizer state, or any tree holding exactly one `guard_finite` state.
+  """
+  return np.asarray(_find_guard_state(state).nonfinite_count)
+
+
+def check_guard(state: Any, step: int, first_node: int = 0) -> None:
+  """Raises ``FloatingPointError`` when a node has skipped ``max_consecutive`` steps in a row.
+
+  Call it on the host in the training loop (it reads a few integers from the device), e.g.
+  after every step or every log interval; a node that keeps producing NaN gradients is a
+  bug or a diverged run, not noise to skip forever.
+
+  Args:
+    state: the optimizer state (holding one `guard_finite` state).
+    step: the step just taken, for the message.
+    first_node: the global index of the first local node (MPI ranks hold a block of nodes).
+  """
+  guard = _find_guard_state(state)
+  limit = int(guard.max_consecutive)
+  if limit <= 0:
+    return
+  streak = np.asarray(guard.consecutive)
+  stuck = np.flatnonzero(streak >= limit)
+  if stuck.size:
+    i = int(stuck[0])
+    others = f" (also node(s) {', '.join(str(int(j) + first_node) for j in stuck[1:6])})" if stuck.size > 1 else ""
+    raise FloatingPointError(
+        f"node {i + first_node} had a NaN/inf gradient at {int(streak[i])} consecutive steps, the last at step "
+        f"{step} (limit max_consecutive={limit}){others}; its data or its params have gone bad"
+    )

@@ -1,0 +1,25 @@
+"""Checkpoints of the whole training state that resume bit for bit (built on orbax).
+
+A checkpoint directory holds one sub-directory per saved step. Each step is written to a
+temporary directory, sealed with a manifest of SHA-256 checksums and renamed into place,
+so a crash mid-save leaves the previous steps usable, and a truncated or corrupted step
+raises `CorruptCheckpointError` instead of returning garbage.
+"""
+
+from gossipjax.checkpoint._checkpoint import (
+    CorruptCheckpointError,
+    all_steps,
+    latest_step,
+    rank_directory,
+    restore,
+    save,
+)
+
+__all__ = (
+    "CorruptCheckpointError",
+    "all_steps",
+    "latest_step",
+    "rank_directory",
+    "restore",
+    "save",
+)

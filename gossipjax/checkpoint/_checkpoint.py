@@ -1,0 +1,344 @@
+"""``save`` / ``restore``: orbax writes the arrays; a checksummed manifest seals each step.
+
+Layout of a checkpoint directory::
+
+    directory/
+      100/                       # one directory per saved step
+        state/                   # written by orbax (StandardCheckpointHandler)
+        gossipjax_manifest.json  # leaf paths, shapes, dtypes, PRNG impls, SHA-256 of every file
+      200/
+      .tmp-300-<uuid>/           # a save in progress (or one that crashed): never read
+
+Why a manifest of our own: orbax's temporary-directory-and-rename makes a save atomic, but
+nothing in the stored arrays is checksummed, so a flipped byte in a chunk comes back as
+silently wrong numbers. The manifest is written last, inside the temporary directory, and
+the directory is renamed into place only after it is on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import uuid
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_MANIFEST = "gossipjax_manifest.json"
+_STATE = "state"
+_FORMAT = 1
+_TMP_PREFIX = ".tmp-"
+_OLD_PREFIX = ".old-"
+
+
+class CorruptCheckpointError(RuntimeError):
+  """A checkpoint on disk is truncated, modified or unreadable."""
+
+
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _leaf_spec(path: str, x: Any) -> dict[str, Any]:
+  """Shape, dtype and (for typed PRNG keys) the key implementation of one leaf."""
+  if _is_key(x):
+    impl = None if isinstance(x, jax.ShapeDtypeStruct) else str(jax.random.key_impl(x))
+    return {"path": path, "shape": list(x.shape), "dtype": "key", "key_impl": impl}
+  if isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
+    return {"path": path, "shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name}
+  if isinstance(x, (bool, int, float, complex)):
+    a = np.asarray(x)
+    return {"path": path, "shape": [], "dtype": a.dtype.name}
+  raise TypeError(
+      f"checkpoint: the leaf at {path or '<root>'} is a {type(x).__name__}; only arrays, numbers and "
+      "PRNG keys can be checkpointed (keep configuration such as strings out of the state tree)"
+  )
+
+
+def _flatten(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return [(jax.tree_util.keystr(p), x) for p, x in leaves], treedef
+
+
+def _sha256(path: pathlib.Path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _files(root: pathlib.Path) -> Iterable[pathlib.Path]:
+  for dirpath, _, filenames in os.walk(root):
+    for name in filenames:
+      p = pathlib.Path(dirpath) / name
+      if p.name != _MANIFEST or p.parent != root:
+        yield p
+
+
+def _body_digest(body: dict[str, Any]) -> str:
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _check_step(step: Any) -> int:
+  if isinstance(step, (jax.Array, np.ndarray)) and step.ndim == 0 and jnp.issubdtype(step.dtype, jnp.integer):
+    step = int(step)  # a step counter taken from the state
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+    raise ValueError(f"checkpoint: step must be a non-negative integer, got {step!r}")
+  return int(step)
+
+
+def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None = None) -> pathlib.Path:
+  """Saves ``tree`` as step ``step`` of the checkpoint directory ``directory``.
+
+  The step is written to a temporary directory, sealed with a manifest (leaf paths, shapes,
+  dtypes and the SHA-256 of every file) and renamed into place, so a crash mid-save leaves
+  the steps saved before intact. Saving a step that exists replaces it.
+
+  Args:
+    directory: the checkpoint directory (created if missing). Under MPI, give each rank its
+      own, e.g. ``gj.checkpoint.rank_directory(path, comm.rank)``.
+    tree: any pytree of arrays (jax or NumPy), Python numbers and typed PRNG keys
+      (``jax.random.key``): params, optimizer states, step counters, data positions.
+    step: the training step this state belongs to (the sub-directory name).
+    keep: keep only the newest ``keep`` steps (``None``: keep all).
+
+  Returns:
+    The directory of the saved step.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> _ = gj.checkpoint.save(d, {"w": jnp.ones((4, 2))}, step=10)
+    >>> gj.checkpoint.restore(d, like={"w": jnp.zeros((4, 2))})["w"].sum().item()
+    8.0
+  """
+  import orbax.checkpoint as ocp
+
+  step = _check_step(step)
+  if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+    raise ValueError(f"checkpoint: keep must be a positive integer or None, got {keep!r}")
+  directory = pathlib.Path(directory).absolute()
+  directory.mkdir(parents=True, exist_ok=True)
+  for stale in directory.glob(_TMP_PREFIX + "*"):  # left by a save that crashed
+    shutil.rmtree(stale, ignore_errors=True)
+
+  leaves, treedef = _flatten(tree)
+  specs = [_leaf_spec(p, x) for p, x in leaves]
+  arrays = {}
+  for i, (_, x) in enumerate(leaves):
+    if _is_key(x):
+      x = jax.random.key_data(x)
+    elif not isinstance(x, jax.Array):
+      x = np.asarray(x)
+    arrays[str(i)] = x
+
+  tmp = directory / f"{_TMP_PREFIX}{step}-{uuid.uuid4().hex}"
+  tmp.mkdir()
+  if arrays:
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+      ckptr.save(tmp / _STATE, args=ocp.args.StandardSave(arrays))
+  files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(_files(tmp))}
+  body = {"format": _FORMAT, "step": step, "treedef": str(treedef), "leaves": specs, "files": files}
+  manifest = tmp / _MANIFEST
+  with open(manifest, "w") as f:
+    json.dump({"body": body, "sha256": _body_digest(body)}, f, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+  _fsync_dir(tmp)
+
+  final = directory / str(step)
+  old = None
+  if final.exists():
+    old = directory / f"{_OLD_PREFIX}{step}-{uuid.uuid4().hex}"
+    os.replace(final, old)
+  os.replace(tmp, final)
+  _fsync_dir(directory)
+  if old is not None:
+    shutil.rmtree(old, ignore_errors=True)
+  if keep is not None:
+    for s in all_steps(directory)[:-keep]:
+      shutil.rmtree(directory / str(s), ignore_errors=True)
+  return final
+
+
+def all_steps(directory: str | os.PathLike) -> list[int]:
+  """The steps saved (sealed by their manifest) in ``directory``, in increasing order."""
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / _MANIFEST).is_file())
+
+
+def latest_step(directory: str | os.PathLike, comm: Any = None) -> int | None:
+  """The newest saved step in ``directory``, or ``None`` when there is none.
+
+  Args:
+    directory: the checkpoint directory.
+    comm: an mpi4py communicator. Each rank passes its own directory and gets the newest
+      step that *every* rank has saved (a crash can leave one rank a step ahead), the same
+      on all ranks.
+  """
+  steps = all_steps(directory)
+  if comm is None:
+    return steps[-1] if steps else None
+  common = set.intersection(*(set(s) for s in comm.allgather(steps)))
+  return max(common) if common else None
+
+
+def rank_directory(directory: str | os.PathLike, rank: int) -> pathlib.Path:
+  """``directory/rank_<rank>``: where one MPI rank keeps the checkpoints of its own nodes."""
+  return pathlib.Path(directory) / f"rank_{int(rank)}"
+
+
+def _read_manifest(step_dir: pathlib.Path) -> dict[str, Any]:
+  path = step_dir / _MANIFEST
+  if not path.is_file():
+    raise CorruptCheckpointError(f"{step_dir} has no {_MANIFEST}: it is not a complete gossipjax checkpoint")
+  try:
+    with open(path) as f:
+      data = json.load(f)
+    body, digest = data["body"], data["sha256"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise CorruptCheckpointError(f"the manifest {path} is unreadable (truncated or modified): {e}") from e
+  if _body_digest(body) != digest:
+    raise CorruptCheckpointError(f"the manifest {path} does not match its own checksum: it was modified")
+  if body.get("format") != _FORMAT:
+    raise CorruptCheckpointError(f"{path}: unknown checkpoint format {body.get('format')!r}")
+  return body
+
+
+def _verify_files(step_dir: pathlib.Path, files: dict[str, Any]) -> None:
+  for rel, expect in files.items():
+    p = step_dir / rel
+    if not p.is_file():
+      raise CorruptCheckpointError(f"checkpoint {step_dir} is incomplete: {rel} is missing")
+    size = p.stat().st_size
+    if size != expect["size"]:
+      raise CorruptCheckpointError(
+          f"checkpoint {step_dir} is corrupted: {rel} has {size} bytes, {expect['size']} were written (truncated?)")
+    if _sha256(p) != expect["sha256"]:
+      raise CorruptCheckpointError(f"checkpoint {step_dir} is corrupted: the SHA-256 of {rel} does not match")
+
+
+def _check_like(step_dir: pathlib.Path, body: dict[str, Any], leaves: list[tuple[str, Any]], treedef: Any) -> None:
+  stored = body["leaves"]
+  stored_paths = [s["path"] for s in stored]
+  like_paths = [p for p, _ in leaves]
+  if stored_paths != like_paths:
+    missing = [p for p in stored_paths if p not in like_paths]
+    extra = [p for p in like_paths if p not in stored_paths]
+    detail = []
+    if missing:
+      detail.append(f"in the checkpoint but not in like: {', '.join(missing[:5])}")
+    if extra:
+      detail.append(f"in like but not in the checkpoint: {', '.join(extra[:5])}")
+    if not detail:
+      detail.append("the same leaves in a different order")
+    raise ValueError(f"checkpoint {step_dir} holds a different tree than like ({'; '.join(detail)})")
+  if body["treedef"] != str(treedef):
+    raise ValueError(f"checkpoint {step_dir} holds a tree of different node types than like:\n"
+                     f"  saved: {body['treedef']}\n  like:  {treedef}")
+  for s, (p, x) in zip(stored, leaves):
+    want = _leaf_spec(p, x)
+    if want.get("key_impl") and s.get("key_impl") != want["key_impl"]:
+      raise ValueError(f"checkpoint {step_dir}: leaf {p} is a {s.get('key_impl')} PRNG key but like has a "
+                       f"{want['key_impl']} key")
+    if s["shape"] != want["shape"] or s["dtype"] != want["dtype"]:
+      raise ValueError(f"checkpoint {step_dir}: leaf {p or '<root>'} was saved as {s['dtype']}{tuple(s['shape'])} "
+                       f"but like has {want['dtype']}{tuple(want['shape'])}")
+
+
+def _like_typed(value: Any, like: Any) -> Any:
+  """``value`` (restored) in the container type of the ``like`` leaf: jax, NumPy or a Python number."""
+  if isinstance(like, bool):
+    return bool(value)
+  if isinstance(like, (int, float, complex)):
+    return type(like)(np.asarray(value).item())
+  if isinstance(like, np.generic):
+    return like.dtype.type(np.asarray(value))
+  if isinstance(like, np.ndarray):
+    return np.array(value, dtype=like.dtype)
+  if isinstance(like, jax.Array) and like.ndim == 0 and like.weak_type:
+    return jax.lax.full_like(like, np.asarray(value))  # keeps the weak type, so promotion is unchanged
+  if isinstance(like, jax.Array) and like.is_fully_addressable:
+    return jax.device_put(value, like.sharding)
+  return jnp.asarray(value)
+
+
+def restore(directory: str | os.PathLike, like: Any, step: int | None = None, *, verify: bool = True) -> Any:
+  """Restores the tree saved at ``step`` (default: the newest) with the structure of ``like``.
+
+  Args:
+    directory: the checkpoint directory given to `save`.
+    like: a tree of the same structure, shapes and dtypes (e.g. the freshly initialised
+      training state); restored leaves take the type of its leaves (jax array on the same
+      sharding, NumPy array or Python number). ``jax.ShapeDtypeStruct`` leaves give jax arrays.
+    step: which step to restore (default: the newest one).
+    verify: check the SHA-256 of every file against the manifest first.
+
+  Returns:
+    The restored tree, bit for bit the one saved.
+
+  Raises:
+    FileNotFoundError: no checkpoint (or not that step) in ``directory``.
+    CorruptCheckpointError: the step on disk is truncated, modified or unreadable.
+    ValueError: ``like`` has another structure, shape or dtype than the saved tree.
+  """
+  import orbax.checkpoint as ocp
+
+  directory = pathlib.Path(directory).absolute()
+  if step is None:
+    step = latest_step(directory)
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {directory}")
+  step = _check_step(step)
+  step_dir = directory / str(step)
+  if not step_dir.is_dir():
+    raise FileNotFoundError(f"no checkpoint of step {step} in {directory} (saved steps: {all_steps(directory)})")
+  body = _read_manifest(step_dir)
+  leaves, treedef = _flatten(like)
+  _check_like(step_dir, body, leaves, treedef)
+  if verify:
+    _verify_files(step_dir, body["files"])
+
+  abstract = {}
+  for i, (s, (_, x)) in enumerate(zip(body["leaves"], leaves)):
+    if s["dtype"] == "key":
+      shape = tuple(s["shape"]) + jax.random.key_data(jax.random.key(0, impl=s["key_impl"])).shape
+      abstract[str(i)] = jax.ShapeDtypeStruct(shape, jnp.uint32)
+    else:
+      sharding = getattr(x, "sharding", None) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
+      abstract[str(i)] = jax.ShapeDtypeStruct(tuple(s["shape"]), jnp.dtype(s["dtype"]), sharding=sharding)
+  arrays: dict[str, Any] = {}
+  if abstract:
+    try:
+      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        arrays = ckptr.restore(step_dir / _STATE, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:  # orbax / tensorstore raise many types on damaged data
+      raise CorruptCheckpointError(f"checkpoint {step_dir} could not be read: {type(e).__name__}: {e}") from e
+
+  out = []
+  for i, (s, (_, x)) in enumerate(zip(body["leaves"], leaves)):
+    value = arrays[str(i)]
+    if s["dtype"] == "key":
+      out.append(jax.random.wrap_key_data(jnp.asarray(value), impl=s["key_impl"]))
+    elif isinstance(x, jax.ShapeDtypeStruct):
+      out.append(jnp.asarray(value))
+    else:
+      out.append(_like_typed(value, x))
+  return jax.tree_util.tree_unflatten(treedef, out)
