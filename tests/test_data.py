@@ -1,0 +1,99 @@
+import gzip
+import os
+import pickle
+
+import jax
+import numpy as np
+import pytest
+
+import gossipjax as gj
+from gossipjax import data as D
+
+LABELS = np.repeat(np.arange(10), 30)
+
+
+def test_iid_partition_covers_everything_evenly():
+  parts = D.partition_iid(LABELS, 7, seed=1)
+  assert sorted(np.concatenate(parts).tolist()) == list(range(len(LABELS)))
+  assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_dirichlet_small_alpha_skews_and_large_alpha_does_not():
+  def skew(alpha):
+    parts = D.partition_dirichlet(LABELS, 10, alpha, seed=0)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(len(LABELS)))
+    return np.mean([np.bincount(LABELS[p], minlength=10).max() / len(p) for p in parts])
+  assert skew(0.05) > 0.6 > 0.25 > skew(1000.0)
+
+
+def test_by_class_gives_each_node_its_classes_only():
+  parts = D.partition_by_class(LABELS, 10, classes_per_node=2, seed=0)
+  for p in parts:
+    assert len(np.unique(LABELS[p])) == 2
+  assert sorted(np.concatenate(parts).tolist()) == list(range(len(LABELS)))
+
+
+def test_partition_errors():
+  with pytest.raises(ValueError, match="only 5 samples"):
+    D.partition_iid(np.arange(5), 8)
+  with pytest.raises(ValueError, match="alpha must be > 0"):
+    D.partition_dirichlet(LABELS, 4, 0.0)
+  with pytest.raises(ValueError, match="classes_per_node"):
+    D.partition_by_class(LABELS, 4, classes_per_node=11)
+  with pytest.raises(ValueError, match="no data"):
+    D.node_data(np.zeros((3, 2)), np.zeros(3), [np.array([0]), np.array([], int)])
+
+
+def test_sampled_batches_come_from_each_nodes_own_data():
+  parts = D.partition_by_class(LABELS, 5, classes_per_node=1, seed=0)
+  nd = D.node_data(np.arange(len(LABELS))[:, None].astype(np.float32), LABELS, parts)
+  xb, yb = jax.jit(D.sample_batches, static_argnums=2)(nd, jax.random.key(0), 64)
+  assert xb.shape == (5, 64, 1) and yb.shape == (5, 64)
+  for i, p in enumerate(parts):
+    assert set(np.asarray(xb[i, :, 0]).astype(int).tolist()) <= set(p.tolist())
+    assert len(set(np.asarray(yb[i]).tolist())) == 1
+  xb2, _ = D.sample_batches(nd, jax.random.key(0), 64)
+  np.testing.assert_array_equal(xb, xb2)  # same key, same batch
+
+
+def test_load_digits_is_real_bundled_data():
+  ds = D.load_digits()
+  assert ds.x_train.shape[1] == 64 and len(ds.x_train) + len(ds.x_test) == 1797
+  assert 0.0 <= ds.x_train.min() and ds.x_train.max() <= 1.0
+  assert set(np.unique(ds.y_test).tolist()) == set(range(10))
+
+
+def test_load_cifar10_reads_the_python_pickle_format(tmp_path):
+  rng = np.random.default_rng(0)
+  for name, n in [("data_batch_1", 6), ("data_batch_2", 4), ("test_batch", 3)]:
+    batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, n))}
+    with open(tmp_path / name, "wb") as f:
+      pickle.dump(batch, f)
+  ds = D.load_cifar10(str(tmp_path))
+  assert ds.x_train.shape == (10, 32, 32, 3) and ds.x_test.shape == (3, 32, 32, 3)
+  with open(tmp_path / "data_batch_1", "rb") as f:
+    raw = pickle.load(f, encoding="bytes")
+  # channel-first rows become HWC: red plane first
+  np.testing.assert_allclose(ds.x_train[0, 0, 1, 0], raw[b"data"][0][1] / 255.0)
+  np.testing.assert_allclose(ds.x_train[0, 0, 0, 2], raw[b"data"][0][2048] / 255.0)
+  with pytest.raises(FileNotFoundError, match="CIFAR-10"):
+    (tmp_path / "empty").mkdir()
+    D.load_cifar10(os.fspath(tmp_path / "empty"))
+
+
+def test_load_mnist_reads_idx_files(tmp_path):
+  def write_idx(name, arr, zipped):
+    header = bytes([0, 0, 8, arr.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
+    opener = gzip.open if zipped else open
+    with opener(tmp_path / (name + (".gz" if zipped else "")), "wb") as f:
+      f.write(header + arr.astype(np.uint8).tobytes())
+
+  rng = np.random.default_rng(0)
+  imgs = rng.integers(0, 256, (5, 28, 28))
+  write_idx("train-images-idx3-ubyte", imgs, True)
+  write_idx("train-labels-idx1-ubyte", np.arange(5), False)
+  write_idx("t10k-images-idx3-ubyte", imgs[:2], False)
+  write_idx("t10k-labels-idx1-ubyte", np.arange(2), True)
+  ds = D.load_mnist(str(tmp_path))
+  assert ds.x_train.shape == (5, 28, 28, 1) and ds.y_test.tolist() == [0, 1]
+  np.testing.assert_allclose(ds.x_train[..., 0], imgs / 255.0, rtol=1e-6)
