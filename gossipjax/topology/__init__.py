@@ -1,6 +1,11 @@
 """Communication graphs and their mixing matrices W (rows receive: x_i <- sum_j W[i, j] x_j)."""
 
-from gossipjax.topology._dynamic import one_peer_exponential
+from gossipjax.topology._dynamic import (
+    directed_exponential,
+    one_peer_directed_exponential,
+    one_peer_exponential,
+    random_pairs,
+)
 from gossipjax.topology._families import (
     as_topology,
     complete,
@@ -24,6 +29,7 @@ __all__ = (
     "Topology",
     "as_topology",
     "complete",
+    "directed_exponential",
     "erdos_renyi",
     "exponential",
     "from_adjacency",
@@ -32,7 +38,9 @@ __all__ = (
     "grid",
     "hypercube",
     "is_strongly_connected",
+    "one_peer_directed_exponential",
     "one_peer_exponential",
+    "random_pairs",
     "rho",
     "ring",
     "spectral_gap",

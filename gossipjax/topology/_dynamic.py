@@ -1,4 +1,4 @@
-"""Time-varying topologies: W(k) cycles through a period."""
+"""Time-varying topologies (W(k) cycles through a period) and the push-form directed graphs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from gossipjax.topology._families import _check_n
-from gossipjax.topology._topology import Topology
+from gossipjax.topology._topology import Topology, is_strongly_connected
 
 
 def one_peer_exponential(n: int) -> Topology:
@@ -26,3 +26,78 @@ def one_peer_exponential(n: int) -> Topology:
       mats[k, i, i] += 0.5
       mats[k, i, (i + h) % n] += 0.5
   return Topology(mats, name=f"one_peer_exponential({n})")
+
+
+def directed_exponential(n: int) -> Topology:
+  """Static directed exponential graph in push form (Assran et al. 2019, SGP).
+
+  Node i *sends* to ``(i + 2^k) mod n`` for every ``2^k < n`` and keeps an equal share, so
+  each sender splits its mass ``1 / (1 + number of peers)`` ways: W is column stochastic by
+  construction (push-sum's requirement). The graph is circulant, so W is also row
+  stochastic; it is ``exponential(n)`` with every edge reversed.
+  """
+  n = _check_n(n, "directed_exponential")
+  peers = _exponential_peers(n)
+  w = np.zeros((n, n))
+  for i in range(n):
+    w[i, i] = 1.0
+    for h in peers:
+      w[(i + h) % n, i] += 1.0
+  w /= w.sum(axis=0, keepdims=True)
+  return Topology(w, name=f"directed_exponential({n})")
+
+
+def one_peer_directed_exponential(n: int) -> Topology:
+  """Time-varying directed exponential graph, one message per node per step (SGP's default).
+
+  At step k node i pushes half of its mass to ``(i + 2^(k mod tau)) mod n`` and keeps the
+  other half, ``tau = ceil(log2 n)`` (Assran et al. 2019, Sec. 5). Column stochastic (and,
+  being circulant, doubly stochastic); for n a power of 2 the product of one period is
+  ``11^T / n``. It is ``one_peer_exponential(n)`` with every edge reversed.
+  """
+  n = _check_n(n, "one_peer_directed_exponential", minimum=2)
+  tau = max(1, math.ceil(math.log2(n)))
+  mats = np.zeros((tau, n, n))
+  for k in range(tau):
+    h = (2**k) % n
+    for i in range(n):
+      mats[k, i, i] += 0.5
+      mats[k, (i + h) % n, i] += 0.5
+  return Topology(mats, name=f"one_peer_directed_exponential({n})")
+
+
+def random_pairs(n: int, seed: int = 0, period: int = 64) -> Topology:
+  """Random pairwise averaging: at every step each node averages with one random peer.
+
+  Step k draws a random perfect matching of the nodes (seeded, so reproducible); matched
+  nodes i, j both move to ``(x_i + x_j) / 2``; with n odd one node sits the step out.
+  This is the random-peer gossip of seed 002 and of AD-PSGD (Lian et al. 2018), made
+  synchronous. W(k) is symmetric and doubly stochastic, one message per node per step.
+
+  Args:
+    n: number of nodes (at least 2).
+    seed: seeds the matchings; the same seed gives the same sequence.
+    period: how many matchings are drawn before the sequence repeats (W(k) is stored
+      densely, so the memory is ``period * n * n`` floats).
+
+  Raises:
+    ValueError: if the union of the ``period`` matchings does not connect the nodes.
+  """
+  n = _check_n(n, "random_pairs", minimum=2)
+  if isinstance(period, bool) or not isinstance(period, (int, np.integer)) or period < 1:
+    raise ValueError(f"random_pairs: period must be a positive integer, got {period!r}")
+  rng = np.random.default_rng(seed)
+  mats = np.zeros((int(period), n, n))
+  for k in range(int(period)):
+    perm = rng.permutation(n)
+    mats[k, np.arange(n), np.arange(n)] = 1.0
+    for a, b in zip(perm[0:n - 1:2], perm[1::2]):
+      mats[k, [a, b, a, b], [a, b, b, a]] = 0.5
+  if not is_strongly_connected(mats.sum(axis=0) > 0):
+    raise ValueError(f"random_pairs({n}, seed={seed}): {period} random matchings do not connect "
+                     "all nodes; raise period or try another seed")
+  return Topology(mats, name=f"random_pairs({n}, seed={seed})")
+
+
+def _exponential_peers(n: int) -> list[int]:
+  return sorted({(2**k) % n for k in range(max(1, math.ceil(math.log2(n))) if n > 1 else 0)} - {0})

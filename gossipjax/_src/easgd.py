@@ -1,0 +1,73 @@
+"""Elastic averaging SGD (EASGD): workers tied to a moving center by an elastic force."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from gossipjax.backend import Backend, simulate
+from gossipjax._src.hyperparams import check_positive_int, learning_rate_at
+from gossipjax._src.mixing import require_params
+
+
+class EASGDState(NamedTuple):
+  count: jax.Array
+  center: Any  # the center variable x_tilde, one (equal) copy per node
+
+
+def easgd(
+    learning_rate: optax.ScalarOrSchedule = 0.1,
+    alpha: float = 0.05,
+    beta: float = 0.9,
+    every: int = 1,
+    backend: Backend | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Synchronous elastic averaging SGD (Zhang, Choromanska and LeCun, NeurIPS 2015; seed 003).
+
+  Each worker is pulled towards a center variable ``\tilde x`` and the center towards the
+  workers' average (the paper's equations (5)-(6); the elastic terms are applied every
+  ``tau = every`` steps, the communication period):
+
+  .. math::
+    x_i^{k+1} &= x_i^k - \gamma_k \nabla F_i(x_i^k) - \alpha (x_i^k - \tilde x^k), \\
+    \tilde x^{k+1} &= \tilde x^k + \beta \Big(\frac{1}{n} \sum_i x_i^k - \tilde x^k\Big),
+    \qquad \tilde x^0 = \frac{1}{n} \sum_i x_i^0.
+
+  The paper's symmetric choice is ``beta = n alpha`` (then ``sum_i x_i + \tilde x`` is
+  conserved); it recommends ``beta = 0.9``. The center lives on a parameter server in the
+  paper; here every node holds a copy, updated with the backend's all-reduce mean.
+  EASGD has no gossip topology: it is the centralized baseline next to gossip methods.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    alpha: elastic pull of each worker towards the center.
+    beta: moving rate of the center towards the workers' average.
+    every: tau, apply the elastic terms every ``every`` steps (local SGD in between).
+    backend: where the nodes live (default: simulate); provides the all-reduce mean.
+  """
+  every = check_positive_int(every, "easgd: every")
+  backend = backend or simulate()
+
+  def init_fn(params):
+    return EASGDState(count=jnp.zeros([], jnp.int32), center=backend.mean(params))
+
+  def update_fn(grads, state, params=None, **extra_args):
+    del extra_args
+    require_params(params, "gj.easgd")
+    lr = learning_rate_at(learning_rate, state.count)
+    sgd = jax.tree.map(lambda g, x: (-lr * g).astype(x.dtype), grads, params)
+
+    def elastic(sgd):
+      updates = jax.tree.map(lambda u, x, c: (u - alpha * (x - c)).astype(x.dtype), sgd, params, state.center)
+      mean = backend.mean(params)
+      center = jax.tree.map(lambda c, m: (c + beta * (m - c)).astype(c.dtype), state.center, mean)
+      return updates, center
+
+    updates, center = lax.cond(state.count % every == 0, elastic, lambda sgd: (sgd, state.center), sgd)
+    return updates, EASGDState(count=optax.safe_increment(state.count), center=center)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,116 @@
+"""Sparsifiers: send a few entries of each layer with their indices."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gossipjax.compress._base import Compressor, check_fraction, sparse_bits
+
+
+def _num_kept(fraction: float, size: int) -> int:
+  return min(size, max(1, math.ceil(fraction * size - 1e-9)))
+
+
+def _scatter(x: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+  return jnp.zeros(x.size, x.dtype).at[idx].set(values).reshape(x.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(Compressor):
+  fraction: float
+
+  def __post_init__(self):
+    check_fraction(self.fraction, "top_k")
+
+  def _leaf(self, x, key):
+    del key
+    flat = x.ravel()
+    _, idx = lax.top_k(jnp.abs(flat), _num_kept(self.fraction, x.size))
+    return _scatter(x, idx, flat[idx])
+
+  def _leaf_bits(self, x):
+    return sparse_bits(_num_kept(self.fraction, x.size), x)
+
+
+def top_k(fraction: float) -> TopK:
+  """Keeps the ``k = ceil(fraction * d)`` largest-magnitude entries of each layer.
+
+  Biased; a contraction with ``delta = k / d`` (Stich et al. 2018). Bits: k values and
+  their ``ceil(log2 d)``-bit indices per layer (or the dense layer when smaller).
+  """
+  return TopK(fraction)
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomK(Compressor):
+  fraction: float
+  scaled: bool = True
+
+  def __post_init__(self):
+    check_fraction(self.fraction, "random_k")
+
+  @property
+  def unbiased(self) -> bool:  # type: ignore[override]
+    return self.scaled
+
+  def _leaf(self, x, key):
+    k = _num_kept(self.fraction, x.size)
+    _, idx = lax.top_k(jax.random.uniform(key, (x.size,)), k)  # k distinct uniform indices
+    flat = x.ravel()
+    values = flat[idx] * (x.size / k) if self.scaled else flat[idx]
+    return _scatter(x, idx, values.astype(x.dtype))
+
+  def _leaf_bits(self, x):
+    return sparse_bits(_num_kept(self.fraction, x.size), x)
+
+  def omega(self, size):
+    if not self.scaled:
+      return super().omega(size)
+    return size / _num_kept(self.fraction, size) - 1.0
+
+  def contraction(self):
+    return RandomK(self.fraction, scaled=False)
+
+
+def random_k(fraction: float, scaled: bool = True) -> RandomK:
+  """Keeps ``k = ceil(fraction * d)`` entries of each layer chosen uniformly at random.
+
+  With ``scaled=True`` the kept entries are multiplied by ``d / k``, so ``E[C(x)] = x``
+  (unbiased, ``omega = d / k - 1``); with ``scaled=False`` it is a contraction with
+  ``delta = k / d`` in expectation. Bits as ``top_k``.
+  """
+  return RandomK(fraction, scaled)
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdMean(Compressor):
+  absolute: bool = True
+
+  def _mask(self, x):
+    if self.absolute:
+      return (jnp.abs(x) >= jnp.mean(jnp.abs(x))) & (x != 0)
+    return (x >= jnp.mean(x)) & (x != 0)
+
+  def _leaf(self, x, key):
+    del key
+    return jnp.where(self._mask(x), x, jnp.zeros_like(x))
+
+  def _leaf_bits(self, x):
+    return sparse_bits(jnp.sum(self._mask(x)), x)
+
+
+def threshold_mean(absolute: bool = True) -> ThresholdMean:
+  """Seed 002's sparsifier: keep the entries of each layer that reach the layer's mean.
+
+  With ``absolute=True`` (default) an entry is kept when ``|x_i| >= mean_j |x_j|``: the
+  magnitude reading, a contraction (the largest entry is always kept, so
+  ``delta >= 1 / d``). ``absolute=False`` is the literal rule of seed 002's Algorithm 1,
+  ``x_i >= mean_j x_j``, which drops large negative entries and is not a contraction.
+  The number of entries kept depends on the data, so ``bits`` is computed from ``x``.
+  """
+  return ThresholdMean(absolute)
