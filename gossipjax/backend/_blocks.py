@@ -86,7 +86,7 @@ def compile_plan(plan: MixingPlan, num_devices: int) -> BlockPlan:
   for r in plan.rounds:
     for i in np.flatnonzero(r.weight):
       j = int(r.src[i])
-      off = (i // b - j // b) % k
+      off = int((i // b - j // b) % k)
       if off:
         need.setdefault(off, [set() for _ in range(k)])[j // b].add(j % b)
   exchanges, slot = [], {}
@@ -98,7 +98,7 @@ def compile_plan(plan: MixingPlan, num_devices: int) -> BlockPlan:
       send[s, : len(x)] = x
       for p, row in enumerate(x):
         slot[(off, s, row)] = (1 + e, p)
-    pairs = tuple((s, (s + off) % k) for s in range(k) if rows[s])
+    pairs = tuple((s, int((s + off) % k)) for s in range(k) if rows[s])
     exchanges.append(Exchange(off, pairs, send, np.array([len(x) for x in rows])))
   rounds = []
   for r in plan.rounds:

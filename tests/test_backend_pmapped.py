@@ -1,0 +1,73 @@
+"""The pmapped backend (transforms inside jax.pmap on 8 CPU devices) equals the simulation."""
+
+import re
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import gossipjax as gj
+from gossipjax import topology as T
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+import backend_cases as cases  # noqa: E402
+
+K = 8
+
+
+def blocks(x):
+  """(n, ...) -> (K, n / K, ...): device d gets nodes d*B ... d*B + B - 1."""
+  return np.asarray(x).reshape((K, -1) + np.shape(x)[1:])
+
+
+def pmapped_trajectory(name, topo, x0, a, b, steps=cases.STEPS):
+  tx = cases.algorithm(name, topo, gj.backend.pmapped("nodes"))
+  got = cases.trajectory(tx, blocks(x0), blocks(a), blocks(b), steps, wrap=lambda f: jax.pmap(f, axis_name="nodes"))
+  return got.reshape((steps,) + x0.shape)
+
+
+CASES = [
+    ("gossip_sgd", T.ring(8)),  # one node per device
+    ("mix", T.one_peer_exponential(16)),  # time-varying, 2 nodes per device
+    ("gossip_sgd", T.one_peer_exponential(16)),
+    ("decentlam", T.torus(4, 4)),
+    ("gossip_sgd", T.erdos_renyi(16, 0.4, seed=1)),
+    ("allreduce_sgd", T.ring(16)),
+]
+
+
+@pytest.mark.parametrize("name, topo", CASES, ids=lambda v: getattr(v, "name", v))
+def test_pmapped_equals_simulate(name, topo):
+  assert jax.device_count() >= K
+  x0, a, b = cases.problem(topo.num_nodes)
+  got = pmapped_trajectory(name, topo, x0, a, b)
+  np.testing.assert_allclose(got, cases.reference(name, topo, x0, a, b), rtol=0, atol=1e-12)
+
+
+def test_pmapped_compiles_to_ppermutes_only():
+  topo = T.exponential(32)  # 4 nodes per device; node i reads i - 1, i - 2, i - 4, i - 8, i - 16
+  tx = gj.gossip_sgd(topo, beta=0.9, backend=gj.backend.pmapped("nodes"))
+  x = blocks(np.ones((32, 3)))
+  f = jax.pmap(lambda x, s: tx.update(x, s, x), axis_name="nodes")
+  hlo = f.lower(x, jax.pmap(tx.init)(x)).compile().as_text()
+  ops = re.findall(r"\b(collective-permute|all-gather|all-reduce|all-to-all)(?:-start)?\(", hlo)
+  plan = gj.backend.pmapped("nodes").mixer(topo).plans[0]
+  # Shifts 1, 2 and 4 all read from the previous device (offset 7), 8 from offset 6, 16 from offset 4.
+  assert [e.offset for e in plan.exchanges] == [4, 6, 7]
+  assert set(ops) == {"collective-permute"} and len(ops) == 3
+
+
+def test_pmapped_local_nodes_and_errors():
+  be = gj.backend.pmapped("nodes")
+  assert be.local_nodes(16) == 2 and be.mixer(T.ring(16)).local_nodes == 2
+  with pytest.raises(ValueError, match=r"ring\(12\) has 12 nodes.*multiple of 8"):
+    gj.gossip_sgd(T.ring(12), backend=be)
+  tx = gj.mix(T.ring(16), backend=gj.backend.pmapped("nodes", axis_size=4))
+  x = np.ones((K, 4, 2))  # the pmap runs over 8 devices, the backend was told 4
+  with pytest.raises(ValueError, match=r"has 8 devices but the backend was built for 4"):
+    jax.pmap(lambda x: tx.update(x, tx.init(x), x), axis_name="nodes")(x)
+  tx = gj.mix(T.ring(16), backend=be)
+  with pytest.raises(ValueError, match="expects 2 nodes"):
+    jax.pmap(lambda x: tx.update(x, tx.init(x), x), axis_name="nodes")(np.ones((K, 3, 2)))
