@@ -1,0 +1,213 @@
+import os
+import pathlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gossipjax as gj
+from gossipjax import checkpoint as ckpt
+from gossipjax.checkpoint import _checkpoint
+
+
+def _leaves_equal(a, b):
+  def data(x):
+    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+      return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
+
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(la, lb):
+    assert type(x) is type(y) or (isinstance(x, jax.Array) and isinstance(y, jax.Array))
+    np.testing.assert_array_equal(data(x), data(y))
+    assert np.asarray(data(x)).dtype == np.asarray(data(y)).dtype
+
+
+def _state():
+  x = jax.random.normal(jax.random.key(0), (8, 3))
+  tx = gj.gossip_sgd(gj.topology.one_peer_exponential(8), beta=0.9, learning_rate=0.1)
+  return {"params": {"w": x, "b": jnp.zeros((8,), jnp.float32)}, "opt": tx.init(x), "key": jax.random.key(7),
+          "rbg": jax.random.key(1, impl="rbg"), "data_pos": 12, "lr": 0.5, "np": np.arange(4, dtype=np.int32),
+          "scalar": np.float32(2.5), "weak": jnp.asarray(0.25), "nothing": None}
+
+
+def test_round_trip_keeps_values_types_and_prng_keys(tmp_path):
+  tree = _state()
+  path = ckpt.save(tmp_path, tree, step=3)
+  assert path == tmp_path / "3" and ckpt.all_steps(tmp_path) == [3] and ckpt.latest_step(tmp_path) == 3
+  out = ckpt.restore(tmp_path, like=tree)
+  _leaves_equal(out, tree)
+  assert isinstance(out["data_pos"], int) and isinstance(out["lr"], float) and isinstance(out["np"], np.ndarray)
+  assert str(jax.random.key_impl(out["rbg"])) == "rbg" and out["weak"].weak_type
+  # A restored key draws the same numbers as the saved one.
+  np.testing.assert_array_equal(jax.random.normal(out["key"], (3,)), jax.random.normal(tree["key"], (3,)))
+
+
+def test_restore_into_abstract_like(tmp_path):
+  tree = {"w": jnp.arange(6.0).reshape(2, 3), "k": jax.random.key(2)}
+  ckpt.save(tmp_path, tree, step=0)
+  out = ckpt.restore(tmp_path, like=jax.eval_shape(lambda: tree))
+  _leaves_equal(out, tree)
+
+
+def test_keep_latest_and_explicit_steps(tmp_path):
+  for s in (1, 2, 3, 4):
+    ckpt.save(tmp_path, {"s": jnp.asarray(s)}, step=s, keep=2)
+  assert ckpt.all_steps(tmp_path) == [3, 4]
+  assert int(ckpt.restore(tmp_path, like={"s": jnp.asarray(0)})["s"]) == 4
+  assert int(ckpt.restore(tmp_path, like={"s": jnp.asarray(0)}, step=3)["s"]) == 3
+  ckpt.save(tmp_path, {"s": jnp.asarray(40)}, step=4)  # re-saving a step replaces it
+  assert int(ckpt.restore(tmp_path, like={"s": jnp.asarray(0)})["s"]) == 40
+  with pytest.raises(FileNotFoundError, match="no checkpoint of step 1"):
+    ckpt.restore(tmp_path, like={"s": jnp.asarray(0)}, step=1)
+  with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+    ckpt.restore(tmp_path / "empty", like={"s": jnp.asarray(0)})
+  assert ckpt.latest_step(tmp_path / "empty") is None
+
+
+def test_crash_mid_save_leaves_previous_checkpoint_usable(tmp_path, monkeypatch):
+  ckpt.save(tmp_path, {"w": jnp.ones(3)}, step=1)
+
+  def crash(*args, **kwargs):
+    raise KeyboardInterrupt("killed while writing")
+
+  # The arrays of step 2 are on disk, the manifest is not: the state of a crash mid-save.
+  monkeypatch.setattr(_checkpoint, "_body_digest", crash)
+  with pytest.raises(KeyboardInterrupt):
+    ckpt.save(tmp_path, {"w": jnp.full(3, 2.0)}, step=2)
+  monkeypatch.undo()
+  assert any(p.name.startswith(".tmp-2-") for p in tmp_path.iterdir())
+  assert ckpt.latest_step(tmp_path) == 1
+  np.testing.assert_array_equal(ckpt.restore(tmp_path, like={"w": jnp.zeros(3)})["w"], np.ones(3))
+  ckpt.save(tmp_path, {"w": jnp.full(3, 3.0)}, step=3)  # the next save clears the debris
+  assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+  assert ckpt.all_steps(tmp_path) == [1, 3]
+
+
+def _written_files(step_dir):
+  return sorted(p for p in pathlib.Path(step_dir).rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_every_damaged_file_raises_instead_of_returning_garbage(tmp_path, damage):
+  tree = {"w": jnp.arange(64.0).reshape(8, 8), "k": jax.random.key(0), "n": 3}
+  ref = ckpt.save(tmp_path / "ref", tree, step=5)
+  roles = sorted({_role(p.relative_to(ref)) for p in _written_files(ref)})
+  assert "gossipjax_manifest.json" in roles and "state/ocdbt.process_0/d/<chunk>" in roles
+  # orbax names its chunk files at random (and how many varies), so each file role is
+  # damaged in a fresh save: every metadata file, a data chunk, the manifest.
+  for i, role in enumerate(roles):
+    d = tmp_path / f"{damage}-{i}"
+    step_dir = ckpt.save(d, tree, step=5)
+    target = next(p for p in _written_files(step_dir) if _role(p.relative_to(step_dir)) == role)
+    raw = target.read_bytes()
+    if damage == "truncate":
+      target.write_bytes(raw[: len(raw) // 2])
+    else:
+      j = len(raw) // 2
+      target.write_bytes(raw[:j] + bytes([raw[j] ^ 0x10]) + raw[j + 1:])
+    with pytest.raises(ckpt.CorruptCheckpointError, match="corrupted|unreadable|modified|truncated"):
+      ckpt.restore(d, like=tree)
+
+
+def _role(rel):
+  return "/".join("<chunk>" if len(part) == 32 and all(c in "0123456789abcdef" for c in part) else part
+                  for part in pathlib.PurePath(rel).parts)
+
+
+def test_missing_file_raises(tmp_path):
+  tree = {"w": jnp.ones((4, 4))}
+  step_dir = ckpt.save(tmp_path, tree, step=0)
+  victim = next(p for p in _written_files(step_dir) if p.parent.name == "d")
+  victim.unlink()
+  with pytest.raises(ckpt.CorruptCheckpointError, match="missing"):
+    ckpt.restore(tmp_path, like=tree)
+
+
+def test_restore_with_a_different_like_raises_clearly(tmp_path):
+  tree = {"params": {"w": jnp.ones((8, 3))}, "step": jnp.asarray(0, jnp.int32), "key": jax.random.key(0)}
+  ckpt.save(tmp_path, tree, step=1)
+  with pytest.raises(ValueError, match=r"\['params'\]\['w'\] was saved as float64\(8, 3\) but like has float64\(8, 4\)"):
+    ckpt.restore(tmp_path, like={**tree, "params": {"w": jnp.ones((8, 4))}})
+  with pytest.raises(ValueError, match=r"was saved as float64\(8, 3\) but like has float32\(8, 3\)"):
+    ckpt.restore(tmp_path, like={**tree, "params": {"w": jnp.ones((8, 3), jnp.float32)}})
+  with pytest.raises(ValueError, match=r"in like but not in the checkpoint: \['extra'\]"):
+    ckpt.restore(tmp_path, like={**tree, "extra": jnp.ones(2)})
+  with pytest.raises(ValueError, match=r"in the checkpoint but not in like: \['key'\]"):
+    ckpt.restore(tmp_path, like={k: v for k, v in tree.items() if k != "key"})
+  with pytest.raises(ValueError, match="threefry2x32 PRNG key but like has a rbg key"):
+    ckpt.restore(tmp_path, like={**tree, "key": jax.random.key(0, impl="rbg")})
+  other = {**tree, "params": optax.TraceState(trace=jnp.ones((8, 3)))}
+  ckpt.save(tmp_path / "nt", other, step=1)
+  # Same leaf paths (".trace"), another NamedTuple class: a different tree.
+  with pytest.raises(ValueError, match="different node types"):
+    ckpt.restore(tmp_path / "nt", like={**tree, "params": _Trace(trace=jnp.ones((8, 3)))})
+
+
+class _Trace(NamedTuple):
+  trace: jax.Array
+
+
+def test_bad_arguments(tmp_path):
+  with pytest.raises(ValueError, match="step must be a non-negative integer"):
+    ckpt.save(tmp_path, {"w": jnp.ones(2)}, step=-1)
+  with pytest.raises(ValueError, match="keep must be a positive integer"):
+    ckpt.save(tmp_path, {"w": jnp.ones(2)}, step=1, keep=0)
+  with pytest.raises(TypeError, match=r"the leaf at \['name'\] is a str"):
+    ckpt.save(tmp_path, {"name": "ring"}, step=1)
+  assert ckpt.save(tmp_path, {"w": jnp.ones(2)}, step=jnp.asarray(9, jnp.int32)).name == "9"
+
+
+def _training(seed):
+  """A jitted DmSGD training step on a time-varying graph, with data drawn from the state's key."""
+  rng = np.random.default_rng(seed)
+  inputs = rng.normal(size=(96, 5))
+  targets = inputs @ rng.normal(size=5) + 0.1 * rng.normal(size=96)
+  parts = gj.data.partition_iid(np.zeros(96, int), 8, seed=seed)
+  data = gj.data.node_data(inputs, targets, parts)
+  lr = optax.cosine_decay_schedule(0.05, 40)
+  tx = gj.gossip_sgd(gj.topology.one_peer_exponential(8), beta=0.9, learning_rate=lr)
+
+  def loss(w, xb, yb):
+    return jnp.mean((xb @ w - yb) ** 2)
+
+  def init(key):
+    k_init, k_data = jax.random.split(key)
+    params = gj.init_nodes(lambda k: jax.random.normal(k, (5,)), k_init, 8, same_init=False)
+    return {"params": params, "opt": tx.init(params), "key": k_data, "step": jnp.asarray(0, jnp.int32)}
+
+  @jax.jit
+  def step(state):
+    key, sub = jax.random.split(state["key"])
+    xb, yb = gj.data.sample_batches(data, sub, 4)
+    grads = jax.vmap(jax.grad(loss))(state["params"], xb, yb)
+    updates, opt = tx.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "key": key,
+            "step": state["step"] + 1}
+
+  return init, step
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+  init, step = _training(0)
+  state = init(jax.random.key(0))
+  for _ in range(12):
+    state = step(state)
+  uninterrupted = state
+
+  state = init(jax.random.key(0))
+  for _ in range(6):
+    state = step(state)
+  ckpt.save(tmp_path, state, step=int(state["step"]))
+  del state
+  # A fresh "process": new transform and jitted step, a differently seeded template state.
+  init2, step2 = _training(0)
+  resumed = ckpt.restore(tmp_path, like=init2(jax.random.key(123)))
+  assert int(resumed["step"]) == 6 and int(resumed["opt"][-1].count) == 6  # W(k) resumes at k = 6
+  for _ in range(6):
+    resumed = step2(resumed)
+  _leaves_equal(resumed, uninterrupted)
