@@ -12,12 +12,14 @@ from gossipjax.asynchrony._cluster import (
     transfer_time,
 )
 from gossipjax.asynchrony._faults import Faults, delivered_mask, faults, faulty_mix, is_up, renormalize
+from gossipjax.asynchrony._mpi_async import MPIAsyncResult, mpi_adpsgd
 from gossipjax.asynchrony._simulator import AsyncState, Simulator, SyncState, adpsgd, synchronous
 
 __all__ = (
     "AsyncState",
     "Cluster",
     "Faults",
+    "MPIAsyncResult",
     "Simulator",
     "SyncState",
     "adpsgd",
@@ -28,6 +30,7 @@ __all__ = (
     "faults",
     "faulty_mix",
     "is_up",
+    "mpi_adpsgd",
     "random_speed_cluster",
     "renormalize",
     "straggler_cluster",
