@@ -11,7 +11,7 @@ import optax
 from gossipjax.backend import Backend
 from gossipjax.compress import Compressor
 from gossipjax._src.hyperparams import check_in_range, learning_rate_at
-from gossipjax._src.mixing import check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params
 
 
 class ChocoState(NamedTuple):
@@ -63,6 +63,7 @@ def choco_sgd(
   """
   if not isinstance(compressor, Compressor):
     raise TypeError(f"choco_sgd: compressor must be a gj.compress compressor, got {type(compressor).__name__}")
+  check_learning_rate(learning_rate, "gj.choco_sgd")
   check_in_range(consensus_step, "choco_sgd: consensus_step", 0.0, 1.0, low_open=True)
   mixer = make_mixer(topology, backend)
   contraction = compressor.contraction()

@@ -10,8 +10,8 @@ import optax
 from jax import lax
 
 from gossipjax.backend import Backend, simulate
-from gossipjax._src.hyperparams import check_positive_int, learning_rate_at
-from gossipjax._src.mixing import require_params
+from gossipjax._src.hyperparams import check_in_range, check_positive_int, learning_rate_at
+from gossipjax._src.mixing import check_learning_rate, require_params
 
 
 class EASGDState(NamedTuple):
@@ -49,6 +49,9 @@ def easgd(
     every: tau, apply the elastic terms every ``every`` steps (local SGD in between).
     backend: where the nodes live (default: simulate); provides the all-reduce mean.
   """
+  check_learning_rate(learning_rate, "gj.easgd")
+  check_in_range(alpha, "gj.easgd: alpha", 0.0, 1.0)
+  check_in_range(beta, "gj.easgd: beta", 0.0, 1.0)
   every = check_positive_int(every, "easgd: every")
   backend = backend or simulate()
 

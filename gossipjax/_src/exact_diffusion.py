@@ -10,7 +10,7 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params
 
 
 class ExactDiffusionState(NamedTuple):
@@ -44,6 +44,7 @@ def exact_diffusion(
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
   """
+  check_learning_rate(learning_rate, "gj.exact_diffusion")
   mixer = make_mixer(topology, backend)
   if mixer.topology.is_time_varying:
     raise ValueError(f"exact_diffusion needs a static W, got {mixer.topology!r}; "

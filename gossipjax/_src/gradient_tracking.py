@@ -10,7 +10,7 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params
 
 
 class GradientTrackingState(NamedTuple):
@@ -43,6 +43,7 @@ def gradient_tracking(
     learning_rate: a float or an optax schedule (``gamma_k`` multiplies ``y^k``).
     backend: where the nodes live (default: simulate).
   """
+  check_learning_rate(learning_rate, "gj.gradient_tracking")
   mixer = make_mixer(topology, backend)
 
   def init_fn(params):

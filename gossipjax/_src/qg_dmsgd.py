@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from gossipjax.backend import Backend
-from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_node_axis, make_mixer, require_params
+from gossipjax._src.hyperparams import check_in_range, learning_rate_at
+from gossipjax._src.mixing import check_learning_rate, check_momentum, check_node_axis, make_mixer, require_params
 
 
 class QGMomentumState(NamedTuple):
@@ -48,8 +48,11 @@ def qg_dmsgd(
     mu: averaging rate of the quasi-global momentum (default ``beta``, as in the paper).
     backend: where the nodes live (default: simulate).
   """
+  check_learning_rate(learning_rate, "gj.qg_dmsgd")
+  check_momentum(beta, "gj.qg_dmsgd")
   mixer = make_mixer(topology, backend)
   mu = beta if mu is None else mu
+  check_in_range(mu, "gj.qg_dmsgd: mu", 0.0, 1.0)
 
   def init_fn(params):
     return QGMomentumState(count=jnp.zeros([], jnp.int32), momentum=optax.tree.zeros_like(params))

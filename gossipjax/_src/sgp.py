@@ -10,7 +10,7 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import check_learning_rate, check_momentum, check_node_axis, make_mixer, require_params
 
 
 class SGPState(NamedTuple):
@@ -51,6 +51,8 @@ def sgp(
     beta: local momentum coefficient (0: plain SGP).
     backend: where the nodes live (default: simulate).
   """
+  check_learning_rate(learning_rate, "gj.sgp")
+  check_momentum(beta, "gj.sgp")
   mixer = make_mixer(topology, backend, stochastic="column")
 
   def init_fn(params):
