@@ -1,0 +1,147 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gossipjax as gj
+
+N, D = 8, 3
+
+
+def _grads(rng, bad):
+  """Gradients for N nodes, with NaN / inf injected at the nodes in ``bad``."""
+  g = rng.normal(size=(N, D))
+  for j, i in enumerate(bad):
+    g[i, j % D] = np.nan if j % 2 == 0 else np.inf
+  return g
+
+
+# Fault plan: step -> nodes whose gradient is non-finite.
+FAULTS = {2: [3], 3: [3, 5], 4: [3], 7: [0], 8: [3]}
+
+
+def test_gossip_sgd_skip_matches_reference():
+  topo = gj.topology.one_peer_exponential(N)
+  beta, lr = 0.9, 0.05
+  tx = gj.guard_finite(gj.gossip_sgd(topo, beta=beta, learning_rate=lr), max_consecutive=0)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(N, D))
+  state = tx.init(jnp.asarray(x))
+  update = jax.jit(tx.update)
+  m, xr = np.zeros((N, D)), x.copy()
+  for k in range(10):
+    bad = FAULTS.get(k, [])
+    g = _grads(rng, bad)
+    u, state = update(jnp.asarray(g), state, jnp.asarray(x))
+    x = np.asarray(optax.apply_updates(jnp.asarray(x), u))
+    # Reference: a skipped node keeps its momentum, adds nothing, and still mixes.
+    ok = np.ones(N, bool)
+    ok[bad] = False
+    m = np.where(ok[:, None], beta * m + np.where(ok[:, None], g, 0), m)
+    local = np.where(ok[:, None], -lr * m, 0)
+    xr = topo.matrix(k) @ (xr + local)
+    assert np.isfinite(x).all()
+    np.testing.assert_allclose(x, xr, rtol=0, atol=1e-12)
+  np.testing.assert_allclose(state.inner_state[0].trace, m, rtol=0, atol=1e-12)
+  np.testing.assert_array_equal(gj.nonfinite_counts(state), np.bincount(sum(FAULTS.values(), []), minlength=N))
+
+
+def test_local_optimizer_bad_node_is_frozen_and_keeps_its_state():
+  tx = gj.guard_finite(optax.adam(0.1))
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(N, D)))
+  state = tx.init(x)
+  for _ in range(3):
+    u, state = tx.update(jnp.asarray(rng.normal(size=(N, D))), state, x)
+    x = optax.apply_updates(x, u)
+  before = state.inner_state
+  g = _grads(rng, [2])
+  u, state = tx.update(jnp.asarray(g), state, x)
+  np.testing.assert_array_equal(u[2], np.zeros(D))  # its params do not move
+  assert np.isfinite(u).all() and (np.asarray(u[np.arange(N) != 2]) != 0).all()
+  np.testing.assert_array_equal(state.inner_state[0].mu[2], before[0].mu[2])  # its moments are kept
+  np.testing.assert_array_equal(state.inner_state[0].nu[2], before[0].nu[2])
+  assert not np.array_equal(state.inner_state[0].mu[0], before[0].mu[0])
+  assert int(state.inner_state[0].count) == 4  # the shared step count advances
+
+
+def test_decentlam_bad_node_frozen_all_finite():
+  topo = gj.topology.ring(N)
+  tx = gj.guard_finite(gj.decentlam(topo, beta=0.9, learning_rate=0.1))
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(N, D)))
+  state = tx.init(x)
+  for k in range(6):
+    bad = [4] if k in (1, 2) else []
+    u, state = tx.update(jnp.asarray(_grads(rng, bad)), state, x)
+    if bad:
+      np.testing.assert_array_equal(u[4], np.zeros(D))
+    x = optax.apply_updates(x, u)
+    assert np.isfinite(x).all() and np.isfinite(state.inner_state.momentum).all()
+  np.testing.assert_array_equal(gj.nonfinite_counts(state), np.eye(N, dtype=int)[4] * 2)
+
+
+def test_nan_in_one_leaf_of_a_tree_skips_the_whole_node():
+  tx = gj.guard_finite(optax.sgd(1.0))
+  params = {"a": jnp.zeros((N, 2)), "b": {"c": jnp.zeros((N, 2, 2))}}
+  grads = {"a": jnp.ones((N, 2)), "b": {"c": jnp.ones((N, 2, 2)).at[6, 1, 0].set(jnp.inf)}}
+  u, state = tx.update(grads, tx.init(params), params)
+  assert (u["a"][6] == 0).all() and (u["b"]["c"][6] == 0).all() and (u["a"][:6] == -1).all()
+  assert gj.nonfinite_counts(state).tolist() == [0, 0, 0, 0, 0, 0, 1, 0]
+
+
+def test_check_guard_raises_after_consecutive_bad_steps_naming_node_and_step():
+  tx = gj.guard_finite(gj.gossip_sgd(gj.topology.ring(N), beta=0.9, learning_rate=0.1), max_consecutive=3)
+  x = jnp.zeros((N, D))
+  state = tx.init(x)
+  update = jax.jit(tx.update)
+  rng = np.random.default_rng(3)
+  # Node 5 fails at steps 0, 1 (streak broken at 2), then 3, 4, 5: the third in a row is step 5.
+  plan = {0: [5], 1: [5], 3: [5, 1], 4: [5], 5: [5]}
+  raised_at = None
+  for k in range(8):
+    u, state = update(jnp.asarray(_grads(rng, plan.get(k, []))), state, x)
+    x = optax.apply_updates(x, u)
+    try:
+      gj.check_guard(state, step=k)
+    except FloatingPointError as e:
+      raised_at = k
+      assert "node 5" in str(e) and "3 consecutive steps" in str(e) and "step 5" in str(e)
+      break
+  assert raised_at == 5
+  assert gj.nonfinite_counts(state).tolist() == [0, 1, 0, 0, 0, 5, 0, 0]
+  assert np.isfinite(x).all()
+  with pytest.raises(FloatingPointError, match="node 13 had"):
+    gj.check_guard(state, step=5, first_node=8)  # an MPI rank holding nodes 8..15
+
+
+def test_check_guard_never_raises_when_disabled_and_finds_nested_state():
+  tx = optax.chain(optax.clip(1.0), gj.guard_finite(optax.sgd(0.1), max_consecutive=None))
+  x = jnp.zeros((N, D))
+  state = tx.init(x)
+  for k in range(4):
+    _, state = tx.update(jnp.full((N, D), jnp.nan), state, x)
+    gj.check_guard(state, step=k)
+  assert gj.nonfinite_counts(state).tolist() == [4] * N
+  with pytest.raises(ValueError, match="no guard_finite state"):
+    gj.nonfinite_counts(optax.sgd(0.1).init(x))
+
+
+def test_guard_errors_on_bad_input():
+  with pytest.raises(ValueError, match="max_consecutive"):
+    gj.guard_finite(optax.sgd(0.1), max_consecutive=-1)
+  tx = gj.guard_finite(optax.sgd(0.1))
+  with pytest.raises(ValueError, match="same leading node axis"):
+    tx.init({"a": jnp.zeros((4, 2)), "b": jnp.zeros((3,))})
+  with pytest.raises(ValueError, match="initialised for 4"):
+    tx.update(jnp.zeros((5, 2)), tx.init(jnp.zeros((4, 2))), jnp.zeros((5, 2)))
+
+
+def test_mix_every_skips_local_steps_too():
+  tx = gj.guard_finite(optax.chain(optax.sgd(0.1), gj.mix(gj.topology.ring(4), every=2)))
+  x = jnp.arange(8.0).reshape(4, 2)
+  g = jnp.ones((4, 2)).at[0, 0].set(jnp.nan)
+  u, state = tx.update(g, tx.init(x), x)  # a local step: the bad node does not move
+  np.testing.assert_array_equal(u[0], [0.0, 0.0])
+  np.testing.assert_allclose(u[1:], -0.1)
