@@ -211,3 +211,40 @@ def test_resume_continues_bit_for_bit(tmp_path):
   for _ in range(6):
     resumed = step2(resumed)
   _leaves_equal(resumed, uninterrupted)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_resume_under_mpi_is_bit_for_bit(tmp_path):
+  """mpiexec -n 2: each rank saves its block of nodes at step 6; a second launch resumes to step 12."""
+  import subprocess
+  import sys
+
+  bin_dir = pathlib.Path(sys.executable).parent
+  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  script = pathlib.Path(__file__).parent / "mpi" / "ckpt_resume.py"
+  out = tmp_path / "out"
+  out.mkdir()
+  for mode in ("first", "resume"):
+    res = subprocess.run([str(bin_dir / "mpiexec"), "-n", "2", sys.executable, str(script), mode,
+                          str(tmp_path / "ckpt"), str(out)], env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+  assert ckpt.all_steps(ckpt.rank_directory(tmp_path / "ckpt", 0)) == [6]
+  assert ckpt.all_steps(ckpt.rank_directory(tmp_path / "ckpt", 1)) == [6]
+  for rank in (0, 1):
+    full, resumed = np.load(out / f"first_rank{rank}.npz"), np.load(out / f"resume_rank{rank}.npz")
+    assert len(full.files) == len(resumed.files) >= 6
+    for name in full.files:
+      np.testing.assert_array_equal(resumed[name], full[name])
+      assert resumed[name].dtype == full[name].dtype
+
+
+def test_latest_step_with_comm_is_the_newest_step_every_rank_has(tmp_path):
+  class FakeComm:  # allgather over three "ranks" whose directories hold these steps
+    def allgather(self, steps):
+      return [steps, [2, 4, 6], [4, 6, 8]]
+
+  for s in (2, 4, 6, 8):
+    ckpt.save(tmp_path, {"s": jnp.asarray(s)}, step=s)
+  assert ckpt.latest_step(tmp_path) == 8
+  assert ckpt.latest_step(tmp_path, comm=FakeComm()) == 6

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import threading
 from typing import Any
 
 _installed: dict[str, Any] = {}
@@ -19,9 +18,9 @@ def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
   non-zero status within seconds. (This is what ``python -m mpi4py script.py`` does; this
   function gives it to scripts launched as ``mpiexec python script.py``.)
 
-  Covers exceptions in the main thread (``sys.excepthook``) and in other threads
-  (``threading.excepthook``). Calling it again replaces the communicator; it is a no-op
-  without mpi4py.
+  It hooks ``sys.excepthook`` (uncaught exceptions of the main thread). Calling it again
+  replaces the communicator. It does nothing without mpi4py or on a communicator of one
+  process (nobody can be left waiting), so it is safe in tests and notebooks.
 
   Args:
     comm: the mpi4py communicator to abort (default ``MPI.COMM_WORLD``).
@@ -33,11 +32,13 @@ def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
     except ImportError:
       return
     comm = MPI.COMM_WORLD
+  if comm.Get_size() == 1:
+    return
   first = not _installed
   _installed["comm"], _installed["errorcode"] = comm, errorcode
   if not first:
     return
-  previous_sys, previous_thread = sys.excepthook, threading.excepthook
+  previous = sys.excepthook
 
   def abort() -> None:
     for stream in (sys.stdout, sys.stderr):
@@ -47,18 +48,10 @@ def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
         pass
     _installed["comm"].Abort(_installed["errorcode"])
 
-  def sys_hook(kind, value, tb):
+  def hook(kind, value, tb):
     try:
-      previous_sys(kind, value, tb)
+      previous(kind, value, tb)
     finally:
       abort()
 
-  def thread_hook(args):
-    try:
-      previous_thread(args)
-    finally:
-      if args.exc_type is not SystemExit:
-        abort()
-
-  sys.excepthook = sys_hook
-  threading.excepthook = thread_hook
+  sys.excepthook = hook

@@ -121,17 +121,27 @@ class Mpi:
     return num_nodes // self.size
 
 
-def mpi(comm: Any = None) -> Mpi:
+def mpi(comm: Any = None, abort_on_error: bool = True) -> Mpi:
   """Nodes split over MPI ranks; launch with ``mpiexec -n K python script.py``.
 
   Rank r passes its own block of B = n / K nodes (leading axis B, e.g.
   ``x[backend.node_slice(n)]``); each gossip round is one ``mpi4jax.sendrecv`` per device
   offset, carrying only the rows the neighbour needs.
 
+  Also installs ``gj.abort_on_error`` (unless ``abort_on_error=False``): an uncaught
+  exception on one rank then aborts the whole job instead of leaving the other ranks
+  waiting forever in their next exchange.
+
   Args:
     comm: an ``mpi4py`` communicator; ``None`` uses a clone of ``COMM_WORLD``.
+    abort_on_error: install the abort-on-uncaught-exception hook.
 
   Raises:
     ImportError: mpi4jax is not installed (the message says how to install it).
   """
-  return Mpi(comm)
+  backend = Mpi(comm)
+  if abort_on_error:
+    from gossipjax._src.fault import abort_on_error as install
+
+    install(backend.comm)
+  return backend
