@@ -13,6 +13,7 @@ from gossipjax.asynchrony._cluster import (
 )
 from gossipjax.asynchrony._faults import Faults, delivered_mask, faults, faulty_mix, is_up, renormalize
 from gossipjax.asynchrony._mpi_async import MPIAsyncResult, mpi_adpsgd
+from gossipjax.asynchrony._sgp_sim import SGPSimState, sgp_bounded_staleness, sgp_params
 from gossipjax.asynchrony._simulator import AsyncState, Simulator, SyncState, adpsgd, synchronous
 
 __all__ = (
@@ -20,6 +21,7 @@ __all__ = (
     "Cluster",
     "Faults",
     "MPIAsyncResult",
+    "SGPSimState",
     "Simulator",
     "SyncState",
     "adpsgd",
@@ -33,6 +35,8 @@ __all__ = (
     "mpi_adpsgd",
     "random_speed_cluster",
     "renormalize",
+    "sgp_bounded_staleness",
+    "sgp_params",
     "straggler_cluster",
     "synchronous",
     "transfer_time",

@@ -1,0 +1,240 @@
+"""The simulated-time asynchrony tools held against plain NumPy event loops and invariants."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gossipjax as gj
+from gossipjax import asynchrony as ga
+
+D = 3
+
+
+def one_sample_problem(n, seed=0):
+  """Node i holds one sample (a_i, b_i): its minibatch is always that sample, so runs are
+  deterministic up to peer choice, and f_i(x) = 0.5 (a_i . x - b_i)^2."""
+  rng = np.random.default_rng(seed)
+  a, b = rng.normal(size=(n, D)), rng.normal(size=n) + np.arange(n)
+  data = gj.data.node_data(a, b, [np.array([i]) for i in range(n)])
+
+  def loss_fn(x, batch):
+    ai, bi = batch
+    return 0.5 * jnp.mean((ai @ x["w"] - bi) ** 2)
+
+  return a, b, data, loss_fn
+
+
+def least_squares_problem(n, m=40, seed=0):
+  rng = np.random.default_rng(seed)
+  x_true = rng.normal(size=D)
+  a = rng.normal(size=(n * m, D))
+  b = a @ x_true + 0.1 * rng.normal(size=n * m)
+  data = gj.data.node_data(a, b, gj.data.partition_iid(b, n, seed=seed))
+
+  def loss_fn(x, batch):
+    ai, bi = batch
+    return 0.5 * jnp.mean((ai @ x["w"] - bi) ** 2)
+
+  full = lambda x: float(np.mean((a @ np.asarray(x) - b) ** 2) / 2)
+  return data, loss_fn, full
+
+
+def stacked(n, value=0.0):
+  return {"w": jnp.full((n, D), value)}
+
+
+def test_cluster_models():
+  c = ga.straggler_cluster(4, 10.0, node=2, base_time=0.5, jitter=0.3, latency=0.01, bandwidth=100.0)
+  np.testing.assert_allclose(c.mean_time, [0.5, 0.5, 5.0, 0.5])
+  draws = jax.vmap(lambda k: ga.compute_time(c, k))(jax.random.split(jax.random.key(0), 4000))
+  np.testing.assert_allclose(draws.mean(0), c.mean_time, rtol=0.03)  # log-normal with unit mean
+  assert float(ga.transfer_time(c, 50.0)) == pytest.approx(0.51)
+  assert float(ga.allreduce_time(c, 400.0)) == pytest.approx(2 * 3 * (0.01 + 1.0))
+  with pytest.raises(ValueError):
+    ga.cluster(4, slowdown=[1, 2, 0, 1])
+
+
+def adpsgd_numpy(a, b, speeds, comm, lr, num_events):
+  """AD-PSGD as a plain event loop; node i's only peer is i ^ 1 (pairs 0-1, 2-3)."""
+  n = len(speeds)
+  x, read = np.zeros((n, D)), np.zeros((n, D))
+  finish = np.array(speeds) + comm
+  for _ in range(num_events):
+    i = int(np.argmin(finish))
+    g = a[i] * (a[i] @ read[i] - b[i])  # the gradient at the model read at the start: stale
+    j = i ^ 1
+    avg = 0.5 * (x[i] + x[j])
+    x[j] = avg
+    x[i] = avg - lr * g
+    read[i] = x[i]
+    finish[i] += speeds[i] + comm
+  return x, finish
+
+
+def test_adpsgd_matches_numpy_event_loop():
+  n, lr, comm = 4, 0.1, 0.05
+  a, b, data, loss_fn = one_sample_problem(n)
+  speeds = [1.0, 1.37, 2.9, 0.61]
+  pairs = gj.topology.from_matrix(np.kron(np.eye(2), np.full((2, 2), 0.5)))
+  c = ga.cluster(n, slowdown=speeds, latency=comm)
+  sim = ga.adpsgd(loss_fn, data, c, lr, batch_size=1, topology=pairs)
+  state = sim.run(sim.init(stacked(n), jax.random.key(0)), 50)
+  x_ref, finish_ref = adpsgd_numpy(a, b, speeds, comm, lr, 50)
+  np.testing.assert_allclose(state.params["w"], x_ref, atol=1e-12)
+  np.testing.assert_allclose(state.next_finish, finish_ref, atol=1e-12)
+  assert int(state.events) == 50 and int(state.averages) == 50 and int(state.samples) == 50
+
+
+def test_adpsgd_straggler_does_not_hold_back_and_its_stale_gradient_is_harmless():
+  n, slow = 8, 1000.0
+  data, loss_fn, full = least_squares_problem(n)
+  c = ga.straggler_cluster(n, slow, latency=0.01)
+  sim = ga.adpsgd(loss_fn, data, c, 0.05, batch_size=4)
+  x0 = stacked(n, 0.0)
+  state = sim.init(x0, jax.random.key(1))
+  state = sim.run(state, 7 * 900)  # 900 events per fast node: the straggler is not done yet
+  assert int(state.counts[0]) == 0 and int(state.counts[1:].min()) == 900
+  # one fast node's cycle is 1.01 s: the clock ran at the fast nodes' pace
+  assert float(state.clock) == pytest.approx(900 * 1.01, rel=1e-9)
+  before = full(gj.node_mean(state.params)["w"])
+  while int(state.counts[0]) == 0:
+    state = sim.run(state, 1)
+  after = full(gj.node_mean(state.params)["w"])
+  # its gradient was taken at x = 0, ~7000 updates ago; applied now it moves the mean by lr/n
+  assert before < 0.2 * full(np.zeros(D))
+  assert after < before * 1.05 + 1e-3
+  assert np.isfinite(state.params["w"]).all()
+
+
+def test_adpsgd_faults_dropout_rejoin_and_lost_messages():
+  n = 6
+  data, loss_fn, full = least_squares_problem(n)
+  f = ga.faults(down=[(2, 20.0, 60.0)], loss_prob=0.3)
+  c = ga.cluster(n, jitter=0.2)
+  sim = ga.adpsgd(loss_fn, data, c, 0.05, batch_size=4, faults=f)
+  state = sim.run(sim.init(stacked(n), jax.random.key(2)), 200)
+  assert 20.0 < float(state.clock) < 45.0
+  frozen = np.asarray(state.params["w"][2])
+  count_down = int(state.counts[2])
+  state = sim.run(state, 60)
+  assert float(state.clock) < 60.0
+  np.testing.assert_array_equal(state.params["w"][2], frozen)  # down: no one averages with it
+  assert int(state.counts[2]) == count_down
+  state = sim.run(state, 600)
+  assert float(state.clock) > 80.0 and int(state.counts[2]) > count_down + 5  # rejoined
+  assert int(state.lost) > 0.2 * int(state.averages)
+  assert np.isfinite(state.params["w"]).all()
+  assert full(gj.node_mean(state.params)["w"]) < 0.2 * full(np.zeros(D))
+  assert float(gj.consensus_distance(state.params)) < 1e-2
+
+
+def test_adpsgd_pair_averages_conserve_the_sum_under_losses():
+  n = 5
+  _, _, data, loss_fn = one_sample_problem(n)
+  f = ga.faults(down=[(1, 0.0, 5.0), (3, 2.0, 4.0)], loss_prob=0.4)
+  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.5), 0.0, batch_size=1, faults=f)
+  x0 = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))}
+  state = sim.run(sim.init(x0, jax.random.key(3)), 400)
+  np.testing.assert_allclose(state.params["w"].sum(0), x0["w"].sum(0), atol=1e-12)
+  assert float(gj.consensus_distance(state.params)) < 1e-6 * float(gj.consensus_distance(x0))
+
+
+def test_synchronous_round_is_the_slowest_node():
+  n, comm = 8, 0.3
+  data, loss_fn, full = least_squares_problem(n)
+  c = ga.straggler_cluster(n, 10.0)
+  sim = ga.synchronous(loss_fn, data, c, gj.gossip_sgd(gj.topology.ring(n), learning_rate=0.1), 4, comm_time=comm)
+  state = sim.run(sim.init(stacked(n), jax.random.key(0)), 100)
+  assert float(state.clock) == pytest.approx(100 * (10.0 + comm))
+  assert int(state.samples) == 100 * n * 4
+  assert full(gj.node_mean(state.params)["w"]) < 0.05 * full(np.zeros(D))
+
+
+def test_renormalize_rows_and_live_average():
+  n = 6
+  w = jnp.asarray(gj.topology.torus(2, 3).matrix(0))
+  up = jnp.array([True, True, False, True, True, True])
+  delivered = ga.delivered_mask(ga.faults(loss_prob=0.5), jax.random.key(0), n)
+  wp = ga.renormalize(w, up, delivered)
+  np.testing.assert_allclose(wp.sum(1), 1.0, atol=1e-14)
+  assert (wp >= 0).all()
+  np.testing.assert_array_equal(wp[2], np.eye(n)[2])  # a down node only keeps its own
+  np.testing.assert_array_equal(wp[:, 2], np.eye(n)[2])  # and nobody receives from it
+  # symmetric W, symmetric losses: doubly stochastic, so the average of the live nodes is kept
+  np.testing.assert_allclose(wp.sum(0), 1.0, atol=1e-14)
+
+
+def test_faulty_mix_without_faults_is_gossip_sgd_and_freezes_down_nodes():
+  n = 6
+  topo = gj.topology.ring(n)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))
+  g = jnp.asarray(np.random.default_rng(1).normal(size=(n, D)))
+  ref = gj.gossip_sgd(topo, learning_rate=0.1)
+  tx = optax.chain(optax.scale_by_learning_rate(0.1), ga.faulty_mix(topo))
+  u_ref, _ = ref.update(g, ref.init(x), x)
+  u, _ = tx.update(g, tx.init(x), x)
+  np.testing.assert_allclose(u, u_ref, atol=1e-14)
+  up = jnp.arange(n) != 4
+  u, _ = tx.update(g, tx.init(x), x, up=up, delivered=jnp.ones((n, n), bool))
+  np.testing.assert_array_equal(u[4], 0.0)
+
+
+def test_synchronous_dpsgd_with_faults_keeps_training():
+  n = 8
+  data, loss_fn, full = least_squares_problem(n)
+  f = ga.faults(down=[(3, 10.0, 40.0), (5, 0.0, 200.0)], loss_prob=0.2)  # node 5 never returns
+  tx = optax.chain(optax.scale_by_learning_rate(0.05), ga.faulty_mix(gj.topology.ring(n)))
+  sim = ga.synchronous(loss_fn, data, ga.cluster(n, jitter=0.1), tx, 4, faults=f)
+  x0 = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))}
+  state = sim.run(sim.init(x0, jax.random.key(0)), 150)
+  np.testing.assert_array_equal(state.params["w"][5], x0["w"][5])  # down the whole time
+  live = {"w": jnp.delete(state.params["w"], 5, axis=0)}
+  assert np.isfinite(state.params["w"]).all()
+  assert float(gj.consensus_distance(live)) < 1e-3 * float(gj.consensus_distance(x0))
+  assert full(gj.node_mean(live)["w"]) < 0.1 * full(np.zeros(D))
+
+
+def test_sgp_with_tau_0_and_no_delay_is_gj_sgp():
+  n, lr, steps = 8, 0.1, 20
+  _, _, data, loss_fn = one_sample_problem(n)
+  topo = gj.topology.one_peer_directed_exponential(n)
+  x0 = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))}
+  sim = ga.sgp_bounded_staleness(loss_fn, data, ga.cluster(n, jitter=0.3), topo, lr, 1, tau=0)
+  state = sim.run(sim.init(x0, jax.random.key(0)), steps)
+  tx = gj.sgp(topo, learning_rate=lr)
+  x, opt = x0, tx.init(x0)
+  grad = jax.vmap(jax.grad(loss_fn))
+  for _ in range(steps):
+    u, opt = tx.update(grad(x, (data.inputs[:, None], data.targets[:, None])), opt, x)
+    x = optax.apply_updates(x, u)
+  np.testing.assert_allclose(ga.sgp_params(state)["w"], x["w"], atol=1e-12)
+  coef = jnp.where(state.pending, state.share, 0.0)
+  np.testing.assert_allclose(state.w + jnp.einsum("sij,sj->i", coef, state.sent_w), opt.push_weight, atol=1e-12)
+
+
+def test_sgp_staleness_hides_a_slow_link_and_stays_exact():
+  n = 8
+  topo = gj.topology.one_peer_directed_exponential(n)
+  slow_link = np.ones((n, n))
+  slow_link[:, 0] = 3.0  # node 0's outgoing links are 3x slower than a step
+  c = ga.cluster(n, latency=1.0)  # a message takes as long as a gradient
+  data, loss_fn, full = least_squares_problem(n)
+  x0 = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))}
+  times, states = {}, {}
+  for tau in (0, 4):
+    sim = ga.sgp_bounded_staleness(loss_fn, data, c, topo, 0.05, 4, tau=tau, link_slowdown=slow_link)
+    states[tau] = sim.run(sim.init(x0, jax.random.key(0)), 200)
+    times[tau] = float(states[tau].clock)
+  assert times[0] > 2 * 200  # every 1 s step waits for a message of 1 s (or 3 s) after it
+  assert times[4] < 1.1 * 200  # overlap: the messages travel while nodes compute
+  assert int(states[4].late) > 0 and int(states[0].late) == 0
+  assert float(states[4].waited) < 0.2 * float(states[0].waited)
+  for s in states.values():
+    x = ga.sgp_params(s)
+    assert full(gj.node_mean(x)["w"]) < 0.1 * full(np.zeros(D))
+  # learning rate 0: push-sum with late messages still reaches the exact average
+  sim = ga.sgp_bounded_staleness(loss_fn, data, c, topo, 0.0, 4, tau=3, link_slowdown=slow_link)
+  s = sim.run(sim.init(x0, jax.random.key(0)), 150)
+  np.testing.assert_allclose(ga.sgp_params(s)["w"], np.broadcast_to(x0["w"].mean(0), (n, D)), atol=1e-6)
