@@ -1,0 +1,51 @@
+"""The MPI backend under ``mpiexec -n 4`` equals the simulation; a missing mpi4jax says how to install it."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gossipjax as gj
+
+HERE = Path(__file__).parent
+RANKS = 4
+
+
+def launch(script: Path, ranks: int, timeout: float = 240) -> subprocess.CompletedProcess:
+  """``mpiexec -n ranks python script`` with a hard timeout that ends the whole process group."""
+  bin_dir = Path(sys.executable).parent
+  mpiexec = bin_dir / "mpiexec"
+  assert mpiexec.exists(), f"no mpiexec next to {sys.executable}: install the MPI stack with `make install-mpi`"
+  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(
+      [str(mpiexec), "-n", str(ranks), sys.executable, str(script)],
+      cwd=script.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      start_new_session=True,
+  )
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate()
+    pytest.fail(f"mpiexec -n {ranks} {script.name} timed out after {timeout} s:\n{out[-4000:]}")
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_mpi_ranks_equal_simulate():
+  """One launch: every algorithm x topology case, jitted and eager, 1 and 2 nodes per rank, call counts."""
+  res = launch(HERE / "mpi" / "check_mpi_equality.py", RANKS)
+  assert res.returncode == 0, res.stdout[-4000:]
+  ok = re.findall(rf"^rank (\d+)/{RANKS}: OK", res.stdout, flags=re.MULTILINE)
+  assert sorted(map(int, ok)) == list(range(RANKS)), res.stdout[-4000:]
+
+
+def test_mpi_backend_without_mpi4jax_says_how_to_install(monkeypatch):
+  monkeypatch.setitem(sys.modules, "mpi4jax", None)  # makes `import mpi4jax` raise ImportError
+  with pytest.raises(ImportError, match=r"make install-mpi.*CUDA_PATH"):
+    gj.backend.mpi()
