@@ -35,7 +35,46 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--seed", type=int, default=0)
   t.add_argument("--out", default="runs/train", help="directory for metrics.json and plot.png")
   t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  t.add_argument("--checkpoint-every", type=int, default=100,
+                 help="save each run's full state every this many steps (a multiple of --log-every); 0: never")
+  t.add_argument("--resume", action="store_true",
+                 help="continue every run from its newest checkpoint in OUT/checkpoints (bit-for-bit the same "
+                      "as an uninterrupted run); runs without one start from step 0")
   return p
+
+
+class _RunCheckpoints:
+  """One run's checkpoints: the training state via gj.checkpoint, its metrics rows beside it."""
+
+  def __init__(self, directory: str, every: int):
+    self.directory, self.every = directory, every
+
+  def save(self, state, rows) -> None:
+    import json
+
+    from gossipjax import checkpoint
+
+    if not self.every or state.step % self.every:
+      return
+    checkpoint.save(self.directory, {"step": state.step, "params": state.params, "opt_state": state.opt_state},
+                    step=state.step, keep=2)
+    tmp = os.path.join(self.directory, "history.json.tmp")
+    with open(tmp, "w") as f:
+      json.dump(rows, f)
+    os.replace(tmp, os.path.join(self.directory, "history.json"))
+
+  def restore(self, fresh):
+    import json
+
+    from gossipjax import checkpoint
+    from gossipjax.train import TrainState
+
+    if not os.path.isdir(self.directory) or checkpoint.latest_step(self.directory) is None:
+      return None, []
+    tree = checkpoint.restore(self.directory, like={"step": 0, "params": fresh.params, "opt_state": fresh.opt_state})
+    with open(os.path.join(self.directory, "history.json")) as f:
+      rows = [r for r in json.load(f) if r["step"] <= tree["step"]]
+    return TrainState(int(tree["step"]), tree["params"], tree["opt_state"]), rows
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -43,11 +82,13 @@ def train(args: argparse.Namespace) -> dict:
   from tqdm.auto import tqdm
 
   from gossipjax.data import load_digits
-  from gossipjax.train import ALGORITHMS, MLP, RunConfig, make_algorithm, make_topology, plot, result_table, timed_run
+  from gossipjax.train import ALGORITHMS, MLP, RunConfig, init_state, make_algorithm, make_topology, plot, result_table, timed_run
   from gossipjax.train._registry import NEEDS_NO_TOPOLOGY
 
   if args.steps % args.log_every:
     raise SystemExit(f"--steps ({args.steps}) must be a multiple of --log-every ({args.log_every})")
+  if args.checkpoint_every % args.log_every:
+    raise SystemExit(f"--checkpoint-every ({args.checkpoint_every}) must be a multiple of --log-every ({args.log_every})")
   dataset = load_digits(seed=args.seed)
   model = MLP(hidden=(64,), num_classes=dataset.num_classes)
   runs = []
@@ -75,10 +116,16 @@ def train(args: argparse.Namespace) -> dict:
   with tqdm(total=sum(c.steps for c in runs), unit="step", disable=args.no_progress, file=sys.stderr) as bar:
     for cfg, tx in zip(runs, txs):
       bar.set_description(cfg.name)
+      ckpt = _RunCheckpoints(os.path.join(args.out, "checkpoints", cfg.name.replace("/", "__")), args.checkpoint_every)
+      state, previous = ckpt.restore(init_state(cfg, dataset, model, tx)) if args.resume else (None, [])
+      if state is not None:
+        bar.update(state.step)
       try:
-        _, history, seconds = timed_run(cfg, dataset, model, tx, progress=bar.update)
+        _, history, seconds = timed_run(cfg, dataset, model, tx, progress=bar.update, state=state,
+                                        on_chunk=lambda st, rows: ckpt.save(st, previous + rows))
       except FloatingPointError as e:
         raise SystemExit(f"{cfg.name}: {e}; try a smaller --lr") from e
+      history = previous + history
       results[cfg.name] = {"config": dataclasses.asdict(cfg), "history": history, "seconds": seconds}
 
   from gossipjax.train import write_metrics

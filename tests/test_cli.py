@@ -31,3 +31,24 @@ def test_bad_arguments_fail_clearly(tmp_path):
     cli.main(["train", "--topologies", "moebius", "--steps", "25", "--out", str(tmp_path)])
   with pytest.raises(ValueError, match="unknown algorithm"):
     cli.main(["train", "--algorithms", "magic", "--steps", "25", "--out", str(tmp_path)])
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+  common = ["train", "--nodes", "8", "--log-every", "25", "--checkpoint-every", "25", "--no-progress",
+            "--algorithms", "dmsgd,decentlam", "--topologies", "one_peer_exponential,ring"]
+  cli.main(common + ["--steps", "100", "--out", str(tmp_path / "straight")])
+  cli.main(common + ["--steps", "50", "--out", str(tmp_path / "split")])  # "dies" at step 50
+  # Mark the saved rows: a resumed run keeps them, a run that silently restarted would not.
+  for hist in (tmp_path / "split" / "checkpoints").glob("*/history.json"):
+    rows = json.loads(hist.read_text())
+    rows[0]["marker"] = 1.0
+    hist.write_text(json.dumps(rows))
+  cli.main(common + ["--steps", "100", "--resume", "--out", str(tmp_path / "split")])
+  straight = json.loads((tmp_path / "straight" / "metrics.json").read_text())["runs"]
+  resumed = json.loads((tmp_path / "split" / "metrics.json").read_text())["runs"]
+  assert set(straight) == set(resumed) == {"dmsgd/one_peer_exponential", "dmsgd/ring", "decentlam/ring"}
+  for name in straight:
+    assert [h["step"] for h in resumed[name]["history"]] == [25, 50, 75, 100]
+    assert resumed[name]["history"][0].pop("marker") == 1.0
+    for a, b in zip(straight[name]["history"], resumed[name]["history"]):
+      assert a == b  # every metric equal as floats, not just close

@@ -66,6 +66,13 @@ class TrainState:
   opt_state: Any
 
 
+def init_state(cfg: RunConfig, dataset: Dataset, model: Any, tx: optax.GradientTransformation) -> TrainState:
+  """Step 0: every node starts from the same initialisation."""
+  key = jax.random.fold_in(jax.random.key(cfg.seed), 0)
+  params = init_nodes(lambda k: model.init(k, jnp.asarray(dataset.x_test[:1])), key, cfg.num_nodes)
+  return TrainState(0, params, tx.init(params))
+
+
 def run(
     cfg: RunConfig,
     dataset: Dataset,
@@ -73,12 +80,17 @@ def run(
     tx: optax.GradientTransformation,
     progress: Callable[[int], None] | None = None,
     state: TrainState | None = None,
-    on_chunk: Callable[[TrainState], None] | None = None,
+    on_chunk: Callable[[TrainState, list[dict[str, float]]], None] | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
   """Trains ``cfg.num_nodes`` stacked copies of ``model`` with ``tx`` and logs metrics.
 
   The minibatch of step k is drawn from ``fold_in(key, k)``, so the data position is the
   step counter and a run restored from ``state`` continues exactly.
+
+  Args:
+    state: where to start (default: `init_state`); a restored checkpoint continues from it.
+    on_chunk: called with the state and the metrics rows so far after every chunk
+      (the main job saves checkpoints there).
 
   Returns:
     The final state and one metrics row per ``cfg.log_every`` steps.
@@ -87,8 +99,7 @@ def run(
   data = node_data(dataset.x_train, dataset.y_train, partition(dataset.y_train, cfg))
   x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
   if state is None:
-    params = init_nodes(lambda k: model.init(k, x_test[:1]), jax.random.fold_in(key, 0), cfg.num_nodes)
-    state = TrainState(0, params, tx.init(params))
+    state = init_state(cfg, dataset, model, tx)
   batch_key = jax.random.fold_in(key, 1)
   loss_fn = lambda p, x, y: cross_entropy(model.apply, p, x, y)
 
@@ -123,7 +134,7 @@ def run(
     history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
     state = TrainState(step, params, opt_state)
     if on_chunk is not None:
-      on_chunk(state)
+      on_chunk(state, history)
     if progress is not None:
       progress(cfg.log_every)
   return state, history
