@@ -42,8 +42,11 @@ def choco_sgd(
     x_i^{k+1} &= x_i^{k+1/2} + \eta \sum_j w_{ij} \big(\hat x_j^{k+1} - \hat x_i^{k+1}\big),
     \qquad \hat x^0 = 0.
 
-  Each node keeps ``s_i = \sum_j w_ij \hat x_j`` and updates it with ``s += W q``, so only
-  the compressed q travels (one gossip round). With ``\eta`` small enough for the
+  For a static W each node keeps ``s_i = \sum_j w_ij \hat x_j`` and updates it with
+  ``s += W q``, so only the compressed q travels (one gossip round). For a time-varying
+  W the term ``W^{(k)} \hat x^{k+1}`` is computed by mixing the public copies; in a real
+  deployment each node would keep the copies of all its neighbours over the period, fed
+  by their compressed messages. With ``\eta`` small enough for the
   compressor's contraction ``delta`` the public copies track the models and the nodes
   reach consensus; the node average is preserved by the gossip step for doubly
   stochastic W. An unbiased compressor (``random_k``, ``qsgd``) is used through its
@@ -54,7 +57,7 @@ def choco_sgd(
   ``gj.compress.identity().bits`` of the same params for the uncompressed size.
 
   Args:
-    topology: doubly stochastic mixing.
+    topology: doubly stochastic mixing, static or time-varying.
     learning_rate: a float or an optax schedule.
     compressor: a ``gj.compress`` compressor, e.g. ``gj.compress.top_k(0.1)``.
     consensus_step: ``eta`` in (0, 1]; ``eta = 1`` with ``gj.compress.identity()`` is D-PSGD.
@@ -89,7 +92,10 @@ def choco_sgd(
     diff = jax.tree.map(lambda h, p: h - p, half, state.public)
     q = jax.vmap(contraction.compress)(diff, keys[:, 1])
     public = jax.tree.map(lambda p, qi: p + qi, state.public, q)
-    neighbour_sum = jax.tree.map(lambda s, wq: s + wq, state.neighbour_sum, mixer.mix(q, state.count))
+    if mixer.topology.is_time_varying:
+      neighbour_sum = mixer.mix(public, state.count)
+    else:
+      neighbour_sum = jax.tree.map(lambda s, wq: s + wq, state.neighbour_sum, mixer.mix(q, state.count))
     eta = consensus_step
     updates = jax.tree.map(lambda h, s, p, x: (h + eta * (s - p) - x).astype(x.dtype),
                            half, neighbour_sum, public, params)
