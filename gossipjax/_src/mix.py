@@ -42,7 +42,7 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
     >>> tx = optax.chain(optax.sgd(0.1), gj.mix(gj.topology.ring(4)))
     >>> x = jnp.arange(4.0)[:, None]
     >>> u, _ = tx.update(jnp.zeros_like(x), tx.init(x), x)
-    >>> (x + u).ravel().round(4).tolist()  # each node: mean of itself and its two ring neighbours
+    >>> [round(float(v), 4) for v in (x + u).ravel()]  # each node: mean of itself and its two ring neighbours
     [1.3333, 1.0, 2.0, 1.6667]
   """
   if isinstance(every, bool) or not isinstance(every, int) or every < 1:
