@@ -12,7 +12,7 @@ def mlp_init(key: jax.Array, sizes: tuple[int, ...]) -> dict[str, jax.Array]:
   params = {}
   for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
     key, sub = jax.random.split(key)
-    params[f"w{i}"] = jax.random.normal(sub, (a, b), jnp.float32) * np.sqrt(2.0 / a)
+    params[f"w{i}"] = jax.random.normal(sub, (a, b), jnp.float32) * float(np.sqrt(2.0 / a))
     params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
   return params
 
