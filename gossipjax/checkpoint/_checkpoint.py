@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -145,7 +146,8 @@ def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None
       x = jax.random.key_data(x)
     elif not isinstance(x, jax.Array):
       x = np.asarray(x)
-    arrays[str(i)] = x
+    if x.size:  # orbax refuses empty arrays; the manifest's shape and dtype are all they hold
+      arrays[str(i)] = x
 
   tmp = directory / f"{_TMP_PREFIX}{step}-{uuid.uuid4().hex}"
   tmp.mkdir()
@@ -316,19 +318,23 @@ def restore(directory: str | os.PathLike, like: Any, step: int | None = None, *,
   if verify:
     _verify_files(step_dir, body["files"])
 
-  abstract = {}
+  abstract, empty = {}, {}
   for i, (s, (_, x)) in enumerate(zip(body["leaves"], leaves)):
     if s["dtype"] == "key":
       shape = tuple(s["shape"]) + jax.random.key_data(jax.random.key(0, impl=s["key_impl"])).shape
-      abstract[str(i)] = jax.ShapeDtypeStruct(shape, jnp.uint32)
+      dtype, sharding = jnp.dtype(jnp.uint32), None
     else:
+      shape, dtype = tuple(s["shape"]), jnp.dtype(s["dtype"])
       sharding = getattr(x, "sharding", None) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
-      abstract[str(i)] = jax.ShapeDtypeStruct(tuple(s["shape"]), jnp.dtype(s["dtype"]), sharding=sharding)
-  arrays: dict[str, Any] = {}
+    if math.prod(shape):
+      abstract[str(i)] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    else:
+      empty[str(i)] = np.zeros(shape, dtype)
+  arrays: dict[str, Any] = dict(empty)
   if abstract:
     try:
       with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-        arrays = ckptr.restore(step_dir / _STATE, args=ocp.args.StandardRestore(abstract))
+        arrays.update(ckptr.restore(step_dir / _STATE, args=ocp.args.StandardRestore(abstract)))
     except Exception as e:  # orbax / tensorstore raise many types on damaged data
       raise CorruptCheckpointError(f"checkpoint {step_dir} could not be read: {type(e).__name__}: {e}") from e
 
