@@ -162,7 +162,7 @@ def test_bad_arguments(tmp_path):
   assert ckpt.save(tmp_path, {"w": jnp.ones(2)}, step=jnp.asarray(9, jnp.int32)).name == "9"
 
 
-def _training(seed):
+def _training(seed, backend=None):
   """A jitted DmSGD training step on a time-varying graph, with data drawn from the state's key."""
   rng = np.random.default_rng(seed)
   inputs = rng.normal(size=(96, 5))
@@ -170,7 +170,7 @@ def _training(seed):
   parts = gj.data.partition_iid(np.zeros(96, int), 8, seed=seed)
   data = gj.data.node_data(inputs, targets, parts)
   lr = optax.cosine_decay_schedule(0.05, 40)
-  tx = gj.gossip_sgd(gj.topology.one_peer_exponential(8), beta=0.9, learning_rate=lr)
+  tx = gj.gossip_sgd(gj.topology.one_peer_exponential(8), beta=0.9, learning_rate=lr, backend=backend)
 
   def loss(w, xb, yb):
     return jnp.mean((xb @ w - yb) ** 2)
@@ -178,6 +178,8 @@ def _training(seed):
   def init(key):
     k_init, k_data = jax.random.split(key)
     params = gj.init_nodes(lambda k: jax.random.normal(k, (5,)), k_init, 8, same_init=False)
+    if backend is not None:
+      params = backend.shard(params)
     return {"params": params, "opt": tx.init(params), "key": k_data, "step": jnp.asarray(0, jnp.int32)}
 
   @jax.jit
@@ -248,3 +250,54 @@ def test_latest_step_with_comm_is_the_newest_step_every_rank_has(tmp_path):
     ckpt.save(tmp_path, {"s": jnp.asarray(s)}, step=s)
   assert ckpt.latest_step(tmp_path) == 8
   assert ckpt.latest_step(tmp_path, comm=FakeComm()) == 6
+
+
+_DETERMINISM = """
+import hashlib, sys
+import jax, numpy as np
+jax.config.update("jax_enable_x64", True)
+sys.path.insert(0, sys.argv[1])
+from test_checkpoint import _training
+init, step = _training(0)
+state = init(jax.random.key(0))
+for _ in range(10):
+  state = step(state)
+h = hashlib.sha256()
+for x in jax.tree.leaves(state):
+  x = jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+  h.update(np.asarray(x).tobytes())
+print("digest", h.hexdigest())
+"""
+
+
+def test_same_seed_same_result_in_separate_processes():
+  import subprocess
+  import sys
+
+  here = str(pathlib.Path(__file__).parent)
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  procs = [subprocess.Popen([sys.executable, "-c", _DETERMINISM, here], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for _ in range(2)]
+  outs = [p.communicate(timeout=180) for p in procs]
+  digests = [next(line for line in out.splitlines() if line.startswith("digest")) for out, _ in outs]
+  assert digests[0] == digests[1]
+
+
+def test_same_seed_same_result_sharded_and_equal_to_simulate():
+  mesh = jax.make_mesh((jax.device_count(),), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,))
+  if 8 % jax.device_count():
+    pytest.skip("needs a device count dividing 8")
+  backend = gj.backend.sharded(mesh)
+  runs = []
+  for _ in range(2):
+    init, step = _training(0, backend=backend)  # a fresh transform and compilation each time
+    state = init(jax.random.key(0))
+    for _ in range(6):
+      state = step(state)
+    runs.append(state)
+  _leaves_equal(runs[0], runs[1])
+  init, step = _training(0)
+  state = init(jax.random.key(0))
+  for _ in range(6):
+    state = step(state)
+  np.testing.assert_allclose(runs[0]["params"], state["params"], rtol=0, atol=1e-12)
