@@ -66,7 +66,7 @@ def one_peer_directed_exponential(n: int) -> Topology:
   return Topology(mats, name=f"one_peer_directed_exponential({n})")
 
 
-def random_pairs(n: int, seed: int = 0, period: int = 64) -> Topology:
+def random_pairs(n: int, seed: int = 0, period: int = 16) -> Topology:
   """Random pairwise averaging: at every step each node averages with one random peer.
 
   Step k draws a random perfect matching of the nodes (seeded, so reproducible); matched
@@ -77,8 +77,10 @@ def random_pairs(n: int, seed: int = 0, period: int = 64) -> Topology:
   Args:
     n: number of nodes (at least 2).
     seed: seeds the matchings; the same seed gives the same sequence.
-    period: how many matchings are drawn before the sequence repeats (W(k) is stored
-      densely, so the memory is ``period * n * n`` floats).
+    period: how many matchings are drawn before the sequence repeats. W(k) is stored
+      densely (``period * n * n`` floats), and backends that exchange with ``ppermute`` or
+      ``sendrecv`` compile one branch per matching, so a long period costs compile time
+      there (the simulate backend gathers from a table instead, one program for any period).
 
   Raises:
     ValueError: if the union of the ``period`` matchings does not connect the nodes.
