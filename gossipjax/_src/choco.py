@@ -63,6 +63,14 @@ def choco_sgd(
     consensus_step: ``eta`` in (0, 1]; ``eta = 1`` with ``gj.compress.identity()`` is D-PSGD.
     seed: seeds the per-node PRNG keys of random compressors.
     backend: where the nodes live (default: simulate).
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.choco_sgd(gj.topology.ring(4), 0.1, gj.compress.sign(), consensus_step=0.5)
+    >>> x = jnp.ones((4, 10), jnp.float32)
+    >>> u, state = tx.update(jnp.zeros_like(x), tx.init(x), x)
+    >>> state.message_bits.tolist()  # 10 sign bits and a 32-bit scale per node
+    [42.0, 42.0, 42.0, 42.0]
   """
   if not isinstance(compressor, Compressor):
     raise TypeError(f"choco_sgd: compressor must be a gj.compress compressor, got {type(compressor).__name__}")

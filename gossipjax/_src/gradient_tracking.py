@@ -42,6 +42,14 @@ def gradient_tracking(
     topology: doubly stochastic mixing, static or time-varying.
     learning_rate: a float or an optax schedule (``gamma_k`` multiplies ``y^k``).
     backend: where the nodes live (default: simulate).
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.gradient_tracking(gj.topology.one_peer_exponential(8), learning_rate=0.1)
+    >>> x = jnp.zeros((8, 3))
+    >>> updates, state = tx.update(jnp.ones((8, 3)), tx.init(x), x)  # y^0 = g^0
+    >>> round(float(updates[0, 0]), 6)
+    -0.1
   """
   check_learning_rate(learning_rate, "gj.gradient_tracking")
   mixer = make_mixer(topology, backend)

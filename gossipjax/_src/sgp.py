@@ -50,6 +50,17 @@ def sgp(
     learning_rate: a float or an optax schedule.
     beta: local momentum coefficient (0: plain SGP).
     backend: where the nodes live (default: simulate).
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.sgp(gj.topology.one_peer_directed_exponential(4), learning_rate=0.1)
+    >>> x = jnp.arange(4.0)[:, None]
+    >>> state = tx.init(x)
+    >>> for _ in range(2):  # one period of the one-peer graph: exact averaging
+    ...   u, state = tx.update(jnp.zeros_like(x), state, x)
+    ...   x = x + u
+    >>> x.ravel().tolist()
+    [1.5, 1.5, 1.5, 1.5]
   """
   check_learning_rate(learning_rate, "gj.sgp")
   check_momentum(beta, "gj.sgp")

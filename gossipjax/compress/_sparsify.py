@@ -42,6 +42,14 @@ def top_k(fraction: float) -> TopK:
 
   Biased; a contraction with ``delta = k / d`` (Stich et al. 2018). Bits: k values and
   their ``ceil(log2 d)``-bit indices per layer (or the dense layer when smaller).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, gossipjax as gj
+    >>> c = gj.compress.top_k(0.5)
+    >>> c.compress(jnp.array([3.0, -1.0, 0.5, -4.0]), jax.random.PRNGKey(0)).tolist()
+    [3.0, 0.0, 0.0, -4.0]
+    >>> float(c.bits(jnp.zeros(4, jnp.float32)))  # 2 values of 32 bits, 2 indices of 2 bits
+    68.0
   """
   return TopK(fraction)
 
