@@ -183,7 +183,7 @@ def plot(results, path: str) -> None:
   ax1.plot(s, n / s, "k:", label=f"{n} / slowdown")
   ax1.set(xscale="log", yscale="log", xlabel="slowdown of one learner", ylabel="speedup (simulated time)",
           title=f"{n} learners, one straggler")
-  ax2.set(xscale="log", xlabel="slowdown of one learner", ylabel="test accuracy of the mean model (%)",
+  ax2.set(xscale="log", ylim=(80, 100), xlabel="slowdown of one learner", ylabel="test accuracy of the mean model (%)",
           title=f"after {results['config']['epochs']:g} epochs")
   ax1.legend()
   ax2.legend()
