@@ -145,3 +145,23 @@ def test_mix_every_skips_local_steps_too():
   u, state = tx.update(g, tx.init(x), x)  # a local step: the bad node does not move
   np.testing.assert_array_equal(u[0], [0.0, 0.0])
   np.testing.assert_allclose(u[1:], -0.1)
+
+
+def test_guard_on_the_sharded_backend_equals_simulation():
+  if 16 % jax.device_count():
+    pytest.skip("needs a device count dividing 16")
+  mesh = jax.make_mesh((jax.device_count(),), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,))
+  backend = gj.backend.sharded(mesh)
+  topo = gj.topology.ring(16)
+  g = np.ones((16, 3))
+  g[5, 1] = np.nan
+  x = np.arange(48.0).reshape(16, 3)
+  outs = []
+  for be in (backend, None):
+    tx = gj.guard_finite(gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1, backend=be))
+    put = backend.shard if be is not None else jnp.asarray
+    u, state = jax.jit(tx.update)(put(jnp.asarray(g)), tx.init(put(jnp.asarray(x))), put(jnp.asarray(x)))
+    assert gj.nonfinite_counts(state).tolist() == [0] * 5 + [1] + [0] * 10
+    outs.append(np.asarray(u))
+  assert np.isfinite(outs[0]).all()
+  np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=1e-12)
