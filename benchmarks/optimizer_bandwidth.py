@@ -3,7 +3,8 @@
 64 nodes x 2^20 float32 (one leaf), params and momentum donated. A DmSGD step must at
 least read x, m, g and write x, m: five passes over n x d floats. Its bandwidth is those
 bytes over its time, and the target is 80% of the bandwidth of an in-place copy-like pass
-(``x * c``, two passes) timed alongside. A dense ``W @ X`` mixing is timed as the foil.
+(``x * c``, two passes) timed alongside. A dense ``W @ X`` mixing is timed as the foil,
+and the same update with no mixing at all (W = I, purely elementwise, in place) as the floor.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ def fused_ring_update():
   return jax.jit(step, donate_argnums=(0, 1))
 
 
+def no_mixing_update():
+  """DmSGD with W = I: the purely elementwise floor that any mixing can only add to."""
+
+  def step(x, m, g):
+    m = BETA * m + g
+    return x - LR * m, m
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
 def dense_update(w: np.ndarray):
   wj = jnp.asarray(w, jnp.float32)
 
@@ -72,6 +83,7 @@ def run(quick: bool = False) -> dict:
     tx, f = library_update(topo)
     stateful(f"gossipjax_{topo.name}", f, tx.init(x0))
   stateful("hand_fused_ring", fused_ring_update(), jnp.zeros_like(x0))
+  stateful("no_mixing_floor", no_mixing_update(), jnp.zeros_like(x0))
   stateful("dense_matmul_ring", dense_update(gj.topology.ring(n).matrix()), jnp.zeros_like(x0))
   times = _timing.interleaved(steps, reps=reps, warmup=2)
   copy_bw = copy_bytes / times["copy"]
