@@ -206,9 +206,14 @@ def test_sgp_with_tau_0_and_no_delay_is_gj_sgp():
   tx = gj.sgp(topo, learning_rate=lr)
   x, opt = x0, tx.init(x0)
   grad = jax.vmap(jax.grad(loss_fn))
-  for _ in range(steps):
+
+  @jax.jit
+  def step(x, opt):
     u, opt = tx.update(grad(x, (data.inputs[:, None], data.targets[:, None])), opt, x)
-    x = optax.apply_updates(x, u)
+    return optax.apply_updates(x, u), opt
+
+  for _ in range(steps):
+    x, opt = step(x, opt)
   np.testing.assert_allclose(ga.sgp_params(state)["w"], x["w"], atol=1e-12)
   coef = jnp.where(state.pending, state.share, 0.0)
   np.testing.assert_allclose(state.w + jnp.einsum("sij,sj->i", coef, state.sent_w), opt.push_weight, atol=1e-12)
