@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every benchmark runs")
   parser.add_argument("--gpu", action="store_true", help="run the ResNet-20 benchmark even without a GPU")
   parser.add_argument("--no-torch", action="store_true", help="leave the PyTorch peers out of dmsgd_step")
+  parser.add_argument("--reps", type=int, default=None, help="repetitions of the dmsgd_step comparison")
   parser.add_argument("--only", nargs="+", choices=SUITE + OPTIONAL, help="run only these benchmarks")
   parser.add_argument("--json", default=str(pathlib.Path(__file__).with_name("results.json")), help="where to write")
   args = parser.parse_args(argv)
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
       continue
     module = importlib.import_module(f"benchmarks.{name}")
     if name == "dmsgd_step":
-      r = module.run(quick=args.quick, include_torch=not args.no_torch)
+      r = module.run(quick=args.quick, include_torch=not args.no_torch, reps=args.reps)
     elif name == "resnet20_gpu":
       r = module.run(quick=args.quick, force=args.gpu)
     else:

@@ -98,11 +98,12 @@ def same_params(num_nodes: int = 8, batch: int = 4, sizes: tuple[int, ...] = (12
   return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)))
 
 
-def run(quick: bool = False, include_torch: bool = True) -> dict:
+def run(quick: bool = False, include_torch: bool = True, reps: int | None = None) -> dict:
   """Times the library, the hand-fused JAX step and (when installed) the PyTorch peers."""
-  n, batch, sizes, reps = (8, 8, (96, 32, 32, 10), 3) if quick else (64, 32, SIZES, 9)
+  n, batch, sizes, default_reps = (8, 8, (96, 32, 32, 10), 3) if quick else (64, 32, SIZES, 9)
+  reps = reps or default_reps
   steps = stateful_jax_steps(n, batch, sizes)
-  result = {"num_nodes": n, "batch_per_node": batch, "sizes": list(sizes)}
+  result = {"num_nodes": n, "batch_per_node": batch, "sizes": list(sizes), "reps": reps}
   torch_note = None
   if include_torch:
     from benchmarks import torch_peer
