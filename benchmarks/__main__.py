@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--no-torch", action="store_true", help="leave the PyTorch peers out of dmsgd_step")
   parser.add_argument("--reps", type=int, default=None, help="repetitions of the dmsgd_step comparison")
   parser.add_argument("--only", nargs="+", choices=SUITE + OPTIONAL, help="run only these benchmarks")
-  parser.add_argument("--json", default=str(pathlib.Path(__file__).with_name("results.json")), help="where to write")
+  parser.add_argument("--json", default=None,
+                      help="where to write (default benchmarks/results.json, or results_quick.json with --quick)")
   args = parser.parse_args(argv)
+  if args.json is None:
+    args.json = str(pathlib.Path(__file__).with_name("results_quick.json" if args.quick else "results.json"))
 
   results = {"machine": _timing.machine(), "command": "python -m benchmarks " + " ".join(argv or sys.argv[1:]),
              "quick": args.quick, "benchmarks": {}}
