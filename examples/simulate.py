@@ -1,0 +1,23 @@
+"""All 16 nodes stacked on one device (the default backend).
+
+Run: python examples/simulate.py
+"""
+
+import jax
+
+import _problem as p
+import gossipjax as gj
+
+
+def main():
+  tx = p.optimizer(gj.backend.simulate())  # the default: same as leaving backend out
+  x, a, b = p.data()
+  state = tx.init(x)
+  step = jax.jit(p.make_step(tx))
+  for _ in range(p.STEPS):
+    x, state = step(x, state, a, b)
+  p.report("simulate", x, a, b)
+
+
+if __name__ == "__main__":
+  main()
