@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPT = Path(__file__).parent / "mpi" / "check_distributed.py"
@@ -43,3 +44,18 @@ def test_two_processes_equal_simulate():
   for i, (p, out) in enumerate(zip(procs, outs)):
     assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
     assert f"process {i}/{PROCESSES}: OK" in out, out[-4000:]
+
+
+@pytest.mark.slow
+def test_multihost_example_matches_simulate_example():
+  sys.path.insert(0, str(SCRIPT.parent))
+  import backend_cases as cases
+
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  sim = subprocess.run([sys.executable, str(cases.EXAMPLES / "simulate.py")], capture_output=True, text=True,
+                       timeout=120, env=env)
+  res = subprocess.run([sys.executable, str(cases.EXAMPLES / "multihost.py"), "--coordinator",
+                        f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=300, env=env)
+  assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+  (want,), (got,) = cases.example_numbers(sim.stdout), cases.example_numbers(res.stdout)
+  assert np.allclose(got, want, rtol=1e-5), (got, want)

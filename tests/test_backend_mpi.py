@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import gossipjax as gj
@@ -43,6 +44,20 @@ def test_mpi_ranks_equal_simulate():
   assert res.returncode == 0, res.stdout[-4000:]
   ok = re.findall(rf"^rank (\d+)/{RANKS}: OK", res.stdout, flags=re.MULTILINE)
   assert sorted(map(int, ok)) == list(range(RANKS)), res.stdout[-4000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_mpi_example_matches_simulate_example():
+  sys.path.insert(0, str(HERE / "mpi"))
+  import backend_cases as cases
+
+  sim = subprocess.run([sys.executable, str(cases.EXAMPLES / "simulate.py")], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, XLA_FLAGS=""))
+  res = launch(cases.EXAMPLES / "mpi.py", RANKS, timeout=120)
+  assert res.returncode == 0, res.stdout[-4000:]
+  (want,), (got,) = cases.example_numbers(sim.stdout), cases.example_numbers(res.stdout)
+  assert np.allclose(got, want, rtol=1e-5), (got, want)
 
 
 def test_mpi_backend_without_mpi4jax_says_how_to_install(monkeypatch):

@@ -147,3 +147,22 @@ def test_shard_rejects_an_uneven_leaf(backend):
   with pytest.raises(ValueError, match="multiple"):
     backend.shard(np.ones((12, 2)))
   assert backend.shard(np.ones((16, 2))).sharding.spec == P("nodes")
+
+
+def _run_example(name, timeout=120, **env):
+  import os
+  import subprocess
+
+  env = dict(os.environ, XLA_FLAGS="", **env)
+  res = subprocess.run([sys.executable, str(cases.EXAMPLES / name)], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+  assert res.returncode == 0, res.stderr[-3000:]
+  return cases.example_numbers(res.stdout)
+
+
+@pytest.mark.slow
+def test_examples_simulate_sharded_pmapped_print_the_same_numbers():
+  (want,) = _run_example("simulate.py")
+  for name in ("sharded.py", "pmapped.py"):
+    (got,) = _run_example(name)
+    np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -4,6 +4,9 @@ Every backend runs the same transforms on the same least-squares problem; the te
 each backend's trajectory against the simulate backend's (float64, to ~1e-12).
 """
 
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +84,12 @@ def reference(name, topology, x0, a, b, steps=STEPS):
   """The simulate backend's trajectory of algorithm ``name``."""
   tx = algorithm(name, topology, gj.backend.simulate())
   return trajectory(tx, jnp.asarray(x0), jnp.asarray(a), jnp.asarray(b), steps)
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def example_numbers(stdout):
+  """(loss, consensus distance) from each report line an example printed."""
+  found = re.findall(r"loss\(mean model\) = ([\d.e+-]+), consensus distance = ([\d.e+-]+)", stdout)
+  return [(float(a), float(b)) for a, b in found]
