@@ -35,6 +35,11 @@ CASES = [
     ("decentlam", T.torus(4, 4)),
     ("gossip_sgd", T.erdos_renyi(16, 0.4, seed=1)),
     ("allreduce_sgd", T.ring(16)),
+    ("gradient_tracking", T.one_peer_exponential(16)),
+    ("extra", T.torus(4, 4)),
+    ("sgp", T.erdos_renyi(16, 0.4, seed=1)),
+    ("choco_sgd", T.ring(8)),
+    ("easgd", T.ring(16)),
 ]
 
 

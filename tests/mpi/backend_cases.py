@@ -45,16 +45,39 @@ ALGORITHMS = {
     "decentlam": lambda topo, be: gj.decentlam(topo, beta=BETA, learning_rate=LR, backend=be),
     "allreduce_sgd": lambda topo, be: gj.allreduce_sgd(learning_rate=LR, beta=BETA, backend=be),
 }
+CORE = tuple(ALGORITHMS)
+# The other algorithms of the library, each with the settings its own tests use.
+ALGORITHMS.update({
+    "gradient_tracking": lambda topo, be: gj.gradient_tracking(topo, learning_rate=LR, backend=be),
+    "exact_diffusion": lambda topo, be: gj.exact_diffusion(topo, learning_rate=LR, backend=be),
+    "extra": lambda topo, be: gj.extra(topo, learning_rate=LR, backend=be),
+    "sgp": lambda topo, be: gj.sgp(topo, learning_rate=LR, beta=BETA, backend=be),
+    # A deterministic compressor: choco's random compressors draw per-node keys from the local block.
+    "choco_sgd": lambda topo, be: gj.choco_sgd(topo, LR, gj.compress.top_k(0.5), consensus_step=0.5, backend=be),
+    "qg_dmsgd": lambda topo, be: gj.qg_dmsgd(topo, beta=BETA, learning_rate=LR, backend=be),
+    "easgd": lambda topo, be: gj.easgd(learning_rate=LR, backend=be),
+    "periodic_average": lambda topo, be: optax.chain(optax.sgd(LR), gj.periodic_average(3, backend=be)),
+})
+STATIC_ONLY = ("exact_diffusion", "extra")
+SYMMETRIC_ONLY = ("decentlam",)
 
 
 def applies(name, topology):
-  """DecentLaM is defined for symmetric W only (it rejects directed graphs)."""
-  return name != "decentlam" or all(np.allclose(m, m.T) for m in topology.matrices)
+  """Which algorithms accept which graphs (EXTRA / exact diffusion: static W; DecentLaM: symmetric W)."""
+  if name in STATIC_ONLY and topology.is_time_varying:
+    return False
+  return name not in SYMMETRIC_ONLY or all(np.allclose(m, m.T) for m in topology.matrices)
 
 
 def cases(n):
-  """(algorithm, topology) pairs: every algorithm on every topology it accepts."""
-  return [(name, topo) for topo in topologies(n) for name in ALGORITHMS if applies(name, topo)]
+  """(algorithm, topology) pairs: the core algorithms on every topology they accept, the others on
+  a time-varying (where accepted) and a random graph."""
+  topos = topologies(n)
+  pairs = [(name, topo) for topo in topos for name in CORE if applies(name, topo)]
+  for name in ALGORITHMS:
+    if name not in CORE:
+      pairs += [(name, topo) for topo in (topos[1] if applies(name, topos[1]) else topos[0], topos[3])]
+  return pairs
 
 
 def algorithm(name, topology, backend):
