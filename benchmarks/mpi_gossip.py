@@ -6,7 +6,9 @@ right). Timed, per repetition, after a barrier, the slowest rank counting:
 - ``gossipjax``: the jitted ``gj.backend.mpi().mixer(ring).mix(x)``: two ``mpi4jax.sendrecv``
   and the weighted sum, as the optimizers run it;
 - ``mpi4py``: two ``comm.Sendrecv`` into preallocated NumPy buffers (the communication alone);
-- ``mpi4py + sum``: the same plus the NumPy weighted sum, i.e. the same gossip round by hand.
+- ``mpi4py + sum``: the same plus the NumPy weighted sum, i.e. the same gossip round by hand;
+- ``mpi4jax sendrecv``: the two jitted ``mpi4jax.sendrecv`` alone, to split the round's time
+  between communication and the weighted sum.
 
 Run: ``mpiexec -n 4 python benchmarks/mpi_gossip.py`` (``--floats``, ``--reps``, ``--json PATH``).
 The goal is a ratio gossipjax / mpi4py within 1.1x.
@@ -75,8 +77,21 @@ def main(argv=None) -> int:
 
   np.testing.assert_allclose(got, raw_round(), rtol=1e-6, atol=1e-6)  # the same round
 
-  t = timed({"gj": lambda: mix(x).block_until_ready(), "raw": raw_exchange, "raw_sum": raw_round}, comm, args.reps)
-  t_gj, t_raw, t_raw_sum = t["gj"], t["raw"], t["raw_sum"]
+  import mpi4jax
+
+  @jax.jit
+  def jax_exchange(x):  # the two sendrecvs the backend emits for a ring, without the weighted sum
+    a = mpi4jax.sendrecv(x, x, source=left, dest=right, sendtag=1, recvtag=1, comm=comm)
+    b = mpi4jax.sendrecv(x, x, source=right, dest=left, sendtag=2, recvtag=2, comm=comm)
+    return a, b
+
+  t = timed({
+      "gj": lambda: mix(x).block_until_ready(),
+      "raw": raw_exchange,
+      "raw_sum": raw_round,
+      "jax_exchange": lambda: jax.block_until_ready(jax_exchange(x)),
+  }, comm, args.reps)
+  t_gj, t_raw, t_raw_sum, t_jx = t["gj"], t["raw"], t["raw_sum"], t["jax_exchange"]
   result = {
       "ranks": size,
       "floats_per_node": args.floats,
@@ -85,6 +100,7 @@ def main(argv=None) -> int:
       "gossipjax_s": t_gj,
       "mpi4py_sendrecv_s": t_raw,
       "mpi4py_sendrecv_plus_sum_s": t_raw_sum,
+      "mpi4jax_sendrecv_s": t_jx,
       "ratio_vs_sendrecv": t_gj / t_raw,
       "ratio_vs_sendrecv_plus_sum": t_gj / t_raw_sum,
   }
@@ -93,6 +109,7 @@ def main(argv=None) -> int:
     print(f"  gossipjax mpi backend        {t_gj * 1e3:8.2f} ms")
     print(f"  mpi4py Sendrecv x2           {t_raw * 1e3:8.2f} ms   ratio {t_gj / t_raw:.2f}x")
     print(f"  mpi4py Sendrecv x2 + sum     {t_raw_sum * 1e3:8.2f} ms   ratio {t_gj / t_raw_sum:.2f}x")
+    print(f"  mpi4jax sendrecv x2 (jit)    {t_jx * 1e3:8.2f} ms   (the exchange alone, inside JAX)")
     if args.json:
       with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
