@@ -39,6 +39,7 @@ CASES = [
     ("extra", T.torus(4, 4)),
     ("sgp", T.erdos_renyi(16, 0.4, seed=1)),
     ("choco_sgd", T.ring(8)),
+    ("choco_sgd_random_k", T.ring(16)),  # 2 nodes per device: keys must follow the global node index
     ("easgd", T.ring(16)),
 ]
 

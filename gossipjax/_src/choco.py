@@ -86,7 +86,8 @@ def choco_sgd(
         count=jnp.zeros([], jnp.int32),
         public=optax.tree.zeros_like(params),
         neighbour_sum=optax.tree.zeros_like(params),
-        key=jax.random.split(jax.random.PRNGKey(seed), n),
+        # Keyed by the global node index, so a node draws the same bits on every backend.
+        key=jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(mixer.first_node() + jnp.arange(n)),
         message_bits=jnp.zeros([n], float),
     )
 

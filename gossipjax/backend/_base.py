@@ -19,6 +19,10 @@ class Mixer(Protocol):
     """``x_i <- sum_j W(step)[i, j] x_j`` for every node, on every leaf."""
     ...
 
+  def first_node(self) -> jax.Array | int:
+    """Global index of the first node on the local leading axis (per-node randomness uses it)."""
+    ...
+
 
 class Backend(Protocol):
   """Where the nodes live. Backends are data (frozen dataclasses), not callables."""

@@ -48,6 +48,9 @@ class MpiMixer:
   def local_nodes(self) -> int:
     return self.topology.num_nodes // self.size
 
+  def first_node(self) -> int:
+    return self.rank * self.local_nodes
+
   def mix(self, tree: Any, step: jax.Array | int = 0) -> Any:
     mpi4jax, MPI = _import_mpi()
     rank, size, comm = self.rank, self.size, self.comm

@@ -26,6 +26,9 @@ class PmappedMixer:
   def local_nodes(self) -> int:
     return self.topology.num_nodes // self.num_devices
 
+  def first_node(self) -> jax.Array:
+    return lax.axis_index(self.axis_name) * self.local_nodes
+
   def mix(self, tree: Any, step: jax.Array | int = 0) -> Any:
     axis = self.axis_name
     size = lax.axis_size(axis)

@@ -35,6 +35,9 @@ class ShardedMixer:
   def local_nodes(self) -> int:
     return self.topology.num_nodes  # the transforms see global arrays
 
+  def first_node(self) -> int:
+    return 0
+
   def mix(self, tree: Any, step: jax.Array | int = 0) -> Any:
     axis, plans = self.axis, self.plans
 

@@ -40,6 +40,9 @@ class SimulateMixer:
   def local_nodes(self) -> int:
     return self.topology.num_nodes
 
+  def first_node(self) -> int:
+    return 0
+
   def mix(self, tree: Any, step: jax.Array | int = 0) -> Any:
     plans = self.topology.plans()
     apply = lambda p: (lambda t: jax.tree.map(lambda x: apply_plan(p, x), t))

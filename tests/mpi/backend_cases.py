@@ -52,8 +52,10 @@ ALGORITHMS.update({
     "exact_diffusion": lambda topo, be: gj.exact_diffusion(topo, learning_rate=LR, backend=be),
     "extra": lambda topo, be: gj.extra(topo, learning_rate=LR, backend=be),
     "sgp": lambda topo, be: gj.sgp(topo, learning_rate=LR, beta=BETA, backend=be),
-    # A deterministic compressor: choco's random compressors draw per-node keys from the local block.
     "choco_sgd": lambda topo, be: gj.choco_sgd(topo, LR, gj.compress.top_k(0.5), consensus_step=0.5, backend=be),
+    # A random compressor: each node's key comes from its global index, so every backend draws the same bits.
+    "choco_sgd_random_k": lambda topo, be: gj.choco_sgd(topo, LR, gj.compress.random_k(0.5), consensus_step=0.5,
+                                                        seed=3, backend=be),
     "qg_dmsgd": lambda topo, be: gj.qg_dmsgd(topo, beta=BETA, learning_rate=LR, backend=be),
     "easgd": lambda topo, be: gj.easgd(learning_rate=LR, backend=be),
     "periodic_average": lambda topo, be: optax.chain(optax.sgd(LR), gj.periodic_average(3, backend=be)),
