@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label-skew concentration")
   t.add_argument("--log-every", type=int, default=25, help="steps per jitted chunk and metrics row")
   t.add_argument("--seed", type=int, default=0)
+  t.add_argument("--max-bad-steps", type=int, default=10,
+                 help="stop when a node's gradient is NaN/inf this many steps in a row (it skips those steps); 0: never")
   t.add_argument("--out", default="runs/train", help="directory for metrics.json and plot.png")
   t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   t.add_argument("--checkpoint-every", type=int, default=100,
@@ -96,7 +98,8 @@ def train(args: argparse.Namespace) -> dict:
     for topo in ([None] if alg in NEEDS_NO_TOPOLOGY else args.topologies):
       cfg = RunConfig(algorithm=alg, topology=topo, num_nodes=args.nodes, steps=args.steps,
                       batch_size=args.batch_size, learning_rate=args.lr, beta=args.beta,
-                      partition=args.partition, alpha=args.alpha, seed=args.seed, log_every=args.log_every)
+                      partition=args.partition, alpha=args.alpha, seed=args.seed, log_every=args.log_every,
+                      max_bad_steps=args.max_bad_steps)
       runs.append(cfg)
   # Build every transform first so that a bad name or size fails before any training; a pair the
   # algorithm cannot run on (DecentLaM on a directed graph) is skipped with its reason.

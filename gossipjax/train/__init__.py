@@ -1,6 +1,6 @@
 """The main job: train a flax model on n simulated nodes and compare algorithms and topologies."""
 
-from gossipjax.train._loop import RunConfig, TrainState, accuracy, cross_entropy, init_state, run, timed_run
+from gossipjax.train._loop import RunConfig, TrainState, accuracy, cross_entropy, guarded, init_state, run, timed_run
 from gossipjax.train._models import MLP
 from gossipjax.train._registry import ALGORITHMS, TOPOLOGIES, make_algorithm, make_topology
 from gossipjax.train._report import plot, result_table, write_metrics
@@ -13,6 +13,7 @@ __all__ = (
     "TrainState",
     "accuracy",
     "cross_entropy",
+    "guarded",
     "init_state",
     "make_algorithm",
     "make_topology",

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from gossipjax._src.guard import check_guard, guard_finite, nonfinite_counts
 from gossipjax._src.nodes import check_finite, consensus_distance, init_nodes, node_mean
 from gossipjax.data import Dataset, node_data, partition_by_class, partition_dirichlet, partition_iid, sample_batches
 
@@ -33,6 +34,7 @@ class RunConfig:
   hidden: tuple[int, ...] = (64,)
   seed: int = 0
   log_every: int = 25
+  max_bad_steps: int = 10  # a node whose gradient is NaN/inf this many steps in a row stops the run; 0: never
 
   @property
   def name(self) -> str:
@@ -66,8 +68,14 @@ class TrainState:
   opt_state: Any
 
 
+def guarded(tx: optax.GradientTransformation, cfg: RunConfig) -> optax.GradientTransformation:
+  """``tx`` behind `gj.guard_finite`: a node with a NaN/inf gradient skips its step."""
+  return guard_finite(tx, max_consecutive=cfg.max_bad_steps or None)
+
+
 def init_state(cfg: RunConfig, dataset: Dataset, model: Any, tx: optax.GradientTransformation) -> TrainState:
   """Step 0: every node starts from the same initialisation."""
+  tx = guarded(tx, cfg)
   key = jax.random.fold_in(jax.random.key(cfg.seed), 0)
   params = init_nodes(lambda k: model.init(k, jnp.asarray(dataset.x_test[:1])), key, cfg.num_nodes)
   return TrainState(0, params, tx.init(params))
@@ -85,7 +93,10 @@ def run(
   """Trains ``cfg.num_nodes`` stacked copies of ``model`` with ``tx`` and logs metrics.
 
   The minibatch of step k is drawn from ``fold_in(key, k)``, so the data position is the
-  step counter and a run restored from ``state`` continues exactly.
+  step counter and a run restored from ``state`` continues exactly. ``tx`` runs behind
+  `gj.guard_finite`: a node whose gradient is NaN/inf skips that step, and the run stops
+  with an error naming the node and step once one has skipped ``cfg.max_bad_steps`` steps
+  in a row (checked after every ``cfg.log_every`` steps).
 
   Args:
     state: where to start (default: `init_state`); a restored checkpoint continues from it.
@@ -100,6 +111,7 @@ def run(
   x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
   if state is None:
     state = init_state(cfg, dataset, model, tx)
+  tx = guarded(tx, cfg)
   batch_key = jax.random.fold_in(key, 1)
   loss_fn = lambda p, x, y: cross_entropy(model.apply, p, x, y)
 
@@ -130,8 +142,10 @@ def run(
   while step < cfg.steps:
     params, opt_state, metrics = chunk(params, opt_state, jnp.asarray(step, jnp.int32))
     step += cfg.log_every
+    check_guard(opt_state, step)
     check_finite(params, step)
-    history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+    skipped = int(nonfinite_counts(opt_state).sum())
+    history.append({"step": step, **{k: float(v) for k, v in metrics.items()}, "skipped_node_steps": skipped})
     state = TrainState(step, params, opt_state)
     if on_chunk is not None:
       on_chunk(state, history)
