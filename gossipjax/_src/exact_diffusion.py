@@ -10,7 +10,7 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params, require_static
 
 
 class ExactDiffusionState(NamedTuple):
@@ -46,9 +46,7 @@ def exact_diffusion(
   """
   check_learning_rate(learning_rate, "gj.exact_diffusion")
   mixer = make_mixer(topology, backend)
-  if mixer.topology.is_time_varying:
-    raise ValueError(f"exact_diffusion needs a static W, got {mixer.topology!r}; "
-                     "gj.gradient_tracking converges exactly on time-varying graphs")
+  require_static(mixer, "exact_diffusion")
 
   def init_fn(params):
     return ExactDiffusionState(count=jnp.zeros([], jnp.int32), psi=jax.tree.map(jnp.asarray, params))

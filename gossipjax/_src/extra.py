@@ -10,7 +10,7 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params, require_static
 
 
 class ExtraState(NamedTuple):
@@ -48,9 +48,7 @@ def extra(
   """
   check_learning_rate(learning_rate, "gj.extra")
   mixer = make_mixer(topology, backend)
-  if mixer.topology.is_time_varying:
-    raise ValueError(f"extra needs a static W, got {mixer.topology!r}; "
-                     "gj.gradient_tracking converges exactly on time-varying graphs")
+  require_static(mixer, "extra")
 
   def init_fn(params):
     return ExtraState(count=jnp.zeros([], jnp.int32), correction=jax.tree.map(jnp.asarray, params))

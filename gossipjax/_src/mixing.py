@@ -33,6 +33,13 @@ def check_node_axis(tree: Any, expected: int, topology_name: str, what: str = "p
       )
 
 
+def require_static(mixer: Mixer, name: str) -> None:
+  """Raises for a time-varying W where a method's correction assumes the same W at every step."""
+  if mixer.topology.is_time_varying:
+    raise ValueError(f"{name} needs a static W, got {mixer.topology!r}; "
+                     "gj.gradient_tracking converges exactly on time-varying graphs")
+
+
 def require_params(params: Any, name: str) -> None:
   if params is None:
     raise ValueError(f"{name} needs the current params: call tx.update(updates, state, params)")
