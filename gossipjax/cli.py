@@ -24,15 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"comma-separated, from: {', '.join(ALGORITHMS)}")
   t.add_argument("--topologies", type=_csv, default=["ring", "exponential", "symmetric_exponential"],
                  help=f"comma-separated, from: {', '.join(TOPOLOGIES)}")
-  t.add_argument("--nodes", type=int, default=16)
-  t.add_argument("--steps", type=int, default=500)
+  t.add_argument("--nodes", type=int, default=16, help="number of simulated nodes")
+  t.add_argument("--steps", type=int, default=500, help="training steps per run")
   t.add_argument("--batch-size", type=int, default=16, help="per node")
-  t.add_argument("--lr", type=float, default=0.1)
+  t.add_argument("--lr", type=float, default=0.1, help="learning rate")
   t.add_argument("--beta", type=float, default=0.9, help="momentum (dpsgd uses 0)")
-  t.add_argument("--partition", choices=["iid", "dirichlet", "by_class"], default="dirichlet")
+  t.add_argument("--partition", choices=["iid", "dirichlet", "by_class"], default="dirichlet",
+                 help="how the training set is split over the nodes")
   t.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label-skew concentration")
   t.add_argument("--log-every", type=int, default=25, help="steps per jitted chunk and metrics row")
-  t.add_argument("--seed", type=int, default=0)
+  t.add_argument("--seed", type=int, default=0, help="seeds the init, the partition and the batches")
   t.add_argument("--max-bad-steps", type=int, default=10,
                  help="stop when a node's gradient is NaN/inf this many steps in a row (it skips those steps); 0: never")
   t.add_argument("--out", default="runs/train", help="directory for metrics.json and plot.png")

@@ -52,3 +52,11 @@ def test_resume_continues_bit_for_bit(tmp_path):
     assert resumed[name]["history"][0].pop("marker") == 1.0
     for a, b in zip(straight[name]["history"], resumed[name]["history"]):
       assert a == b  # every metric equal as floats, not just close
+
+
+def test_exact_methods_run_and_static_only_ones_skip_time_varying_graphs(tmp_path):
+  cli.main(["train", "--steps", "25", "--nodes", "8", "--no-progress", "--out", str(tmp_path),
+            "--algorithms", "gradient_tracking,extra", "--topologies", "one_peer_exponential"])
+  metrics = json.loads((tmp_path / "metrics.json").read_text())
+  assert set(metrics["runs"]) == {"gradient_tracking/one_peer_exponential"}
+  assert "needs a static W" in metrics["config"]["skipped"]["extra/one_peer_exponential"]

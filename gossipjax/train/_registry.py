@@ -10,7 +10,11 @@ import optax
 from gossipjax import topology as T
 from gossipjax._src.allreduce import allreduce_sgd
 from gossipjax._src.decentlam import decentlam
+from gossipjax._src.exact_diffusion import exact_diffusion
+from gossipjax._src.extra import extra
 from gossipjax._src.gossip_sgd import gossip_sgd
+from gossipjax._src.gradient_tracking import gradient_tracking
+from gossipjax._src.qg_dmsgd import qg_dmsgd
 
 
 def _square_factors(n: int) -> tuple[int, int]:
@@ -38,6 +42,10 @@ ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "dpsgd": lambda topo, lr, beta: gossip_sgd(topo, beta=0.0, learning_rate=lr),
     "dmsgd": lambda topo, lr, beta: gossip_sgd(topo, beta=beta, learning_rate=lr),
     "decentlam": lambda topo, lr, beta: decentlam(topo, beta=beta, learning_rate=lr),
+    "qg_dmsgd": lambda topo, lr, beta: qg_dmsgd(topo, beta=beta, learning_rate=lr),
+    "gradient_tracking": lambda topo, lr, beta: gradient_tracking(topo, learning_rate=lr),
+    "exact_diffusion": lambda topo, lr, beta: exact_diffusion(topo, learning_rate=lr),
+    "extra": lambda topo, lr, beta: extra(topo, learning_rate=lr),
 }
 
 NEEDS_NO_TOPOLOGY = frozenset({"allreduce"})
