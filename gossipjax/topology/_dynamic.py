@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from gossipjax.topology._families import _check_n
+from gossipjax.topology._families import _check_n, exponential
 from gossipjax.topology._topology import Topology, is_strongly_connected
 
 
@@ -37,14 +37,7 @@ def directed_exponential(n: int) -> Topology:
   stochastic; it is ``exponential(n)`` with every edge reversed.
   """
   n = _check_n(n, "directed_exponential")
-  peers = _exponential_peers(n)
-  w = np.zeros((n, n))
-  for i in range(n):
-    w[i, i] = 1.0
-    for h in peers:
-      w[(i + h) % n, i] += 1.0
-  w /= w.sum(axis=0, keepdims=True)
-  return Topology(w, name=f"directed_exponential({n})")
+  return _reversed(exponential(n), f"directed_exponential({n})")
 
 
 def one_peer_directed_exponential(n: int) -> Topology:
@@ -56,14 +49,12 @@ def one_peer_directed_exponential(n: int) -> Topology:
   ``11^T / n``. It is ``one_peer_exponential(n)`` with every edge reversed.
   """
   n = _check_n(n, "one_peer_directed_exponential", minimum=2)
-  tau = max(1, math.ceil(math.log2(n)))
-  mats = np.zeros((tau, n, n))
-  for k in range(tau):
-    h = (2**k) % n
-    for i in range(n):
-      mats[k, i, i] += 0.5
-      mats[k, (i + h) % n, i] += 0.5
-  return Topology(mats, name=f"one_peer_directed_exponential({n})")
+  return _reversed(one_peer_exponential(n), f"one_peer_directed_exponential({n})")
+
+
+def _reversed(topology: Topology, name: str) -> Topology:
+  """Every edge reversed (W^T at every step): the push form of a pull graph."""
+  return Topology(topology.matrices.transpose(0, 2, 1), name=name)
 
 
 def random_pairs(n: int, seed: int = 0, period: int = 16) -> Topology:
@@ -100,6 +91,3 @@ def random_pairs(n: int, seed: int = 0, period: int = 16) -> Topology:
                      "all nodes; raise period or try another seed")
   return Topology(mats, name=f"random_pairs({n}, seed={seed})")
 
-
-def _exponential_peers(n: int) -> list[int]:
-  return sorted({(2**k) % n for k in range(max(1, math.ceil(math.log2(n))) if n > 1 else 0)} - {0})
