@@ -7,6 +7,8 @@ right). Timed, per repetition, after a barrier, the slowest rank counting:
   and the weighted sum, as the optimizers run it;
 - ``mpi4py``: two ``comm.Sendrecv`` into preallocated NumPy buffers (the communication alone);
 - ``mpi4py + sum``: the same plus the NumPy weighted sum, i.e. the same gossip round by hand;
+- ``mpi4py + in-place sum``: the same round with every NumPy operation writing into a
+  preallocated buffer (no allocation at all): the least a round that must also sum can cost;
 - ``mpi4jax sendrecv``: the two jitted ``mpi4jax.sendrecv`` alone, to split the round's time
   between communication and the weighted sum.
 
@@ -75,7 +77,20 @@ def main(argv=None) -> int:
     raw_exchange()
     return w[rank, rank] * x_np + w[rank, left] * from_left + w[rank, right] * from_right
 
+  acc = np.empty_like(x_np)
+  w_self, w_left, w_right = (np.float32(w[rank, j]) for j in (rank, left, right))
+
+  def raw_round_in_place():  # the same round with no allocation: the best a hand-written round does
+    raw_exchange()
+    np.multiply(x_np, w_self, out=acc)
+    np.multiply(from_left, w_left, out=from_left)
+    np.add(acc, from_left, out=acc)
+    np.multiply(from_right, w_right, out=from_right)
+    np.add(acc, from_right, out=acc)
+    return acc
+
   np.testing.assert_allclose(got, raw_round(), rtol=1e-6, atol=1e-6)  # the same round
+  np.testing.assert_allclose(got, raw_round_in_place(), rtol=1e-6, atol=1e-6)
 
   import mpi4jax
 
@@ -89,9 +104,11 @@ def main(argv=None) -> int:
       "gj": lambda: mix(x).block_until_ready(),
       "raw": raw_exchange,
       "raw_sum": raw_round,
+      "raw_sum_in_place": raw_round_in_place,
       "jax_exchange": lambda: jax.block_until_ready(jax_exchange(x)),
   }, comm, args.reps)
   t_gj, t_raw, t_raw_sum, t_jx = t["gj"], t["raw"], t["raw_sum"], t["jax_exchange"]
+  t_best = t["raw_sum_in_place"]
   result = {
       "ranks": size,
       "floats_per_node": args.floats,
@@ -100,15 +117,20 @@ def main(argv=None) -> int:
       "gossipjax_s": t_gj,
       "mpi4py_sendrecv_s": t_raw,
       "mpi4py_sendrecv_plus_sum_s": t_raw_sum,
+      "mpi4py_sendrecv_plus_in_place_sum_s": t_best,
       "mpi4jax_sendrecv_s": t_jx,
       "ratio_vs_sendrecv": t_gj / t_raw,
       "ratio_vs_sendrecv_plus_sum": t_gj / t_raw_sum,
+      "ratio_vs_sendrecv_plus_in_place_sum": t_gj / t_best,
+      "in_place_round_vs_sendrecv": t_best / t_raw,
   }
   if rank == 0:
     print(f"gossip round on ring({size}), {args.floats} float32 per node, median of {args.reps} (slowest rank):")
     print(f"  gossipjax mpi backend        {t_gj * 1e3:8.2f} ms")
     print(f"  mpi4py Sendrecv x2           {t_raw * 1e3:8.2f} ms   ratio {t_gj / t_raw:.2f}x")
     print(f"  mpi4py Sendrecv x2 + sum     {t_raw_sum * 1e3:8.2f} ms   ratio {t_gj / t_raw_sum:.2f}x")
+    print(f"  mpi4py Sendrecv x2 + in-place sum {t_best * 1e3:5.2f} ms   ratio {t_gj / t_best:.2f}x "
+          f"(this hand-written round is itself {t_best / t_raw:.2f}x the bare Sendrecv)")
     print(f"  mpi4jax sendrecv x2 (jit)    {t_jx * 1e3:8.2f} ms   (the exchange alone, inside JAX)")
     if args.json:
       with open(args.json, "w") as f:

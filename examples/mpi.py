@@ -1,6 +1,8 @@
 """One block of nodes per MPI rank (4 nodes each on 4 ranks); mixing is ``mpi4jax.sendrecv``.
 
 Run: mpiexec -n 4 python examples/mpi.py      (MPI stack: `make install-mpi`)
+For large models, launch with glibc's settings from ``gj.backend.mpi_launch_env`` (see the README):
+  $(python -c "import gossipjax as gj; print(gj.backend.mpi_launch_prefix())") mpiexec -n 4 python examples/mpi.py
 """
 
 import jax

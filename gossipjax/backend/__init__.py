@@ -1,7 +1,9 @@
 """Where the nodes live: one device (simulate), sharded devices, pmap, or MPI ranks."""
 
 from gossipjax.backend._base import Backend, Mixer
+from gossipjax.backend._mpi import LAUNCH_ENV as mpi_launch_env
 from gossipjax.backend._mpi import Mpi, mpi
+from gossipjax.backend._mpi import launch_prefix as mpi_launch_prefix
 from gossipjax.backend._pmapped import Pmapped, pmapped
 from gossipjax.backend._sharded import Sharded, sharded
 from gossipjax.backend._simulate import Simulate, apply_plan, simulate
@@ -15,6 +17,8 @@ __all__ = (
     "Simulate",
     "apply_plan",
     "mpi",
+    "mpi_launch_env",
+    "mpi_launch_prefix",
     "pmapped",
     "sharded",
     "simulate",
