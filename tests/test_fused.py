@@ -1,0 +1,116 @@
+"""gj.gossip_sgd_step: the fused in-place DmSGD step equals gj.gossip_sgd + optax.apply_updates."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gossipjax as gj
+from gossipjax import _native
+
+N = 8
+
+
+def _params(dtype=jnp.float32):
+  k = jax.random.key(0)
+  return {"w": jax.random.normal(k, (N, 5, 3), dtype), "b": jax.random.normal(jax.random.fold_in(k, 1), (N, 4), dtype)}
+
+
+def _grads(x, k):
+  return jax.tree.map(lambda v: jnp.sin(v * (k + 1)) + 0.1 * k, x)
+
+
+def _run_both(topology, steps=5, beta=0.9, learning_rate=0.1, dtype=jnp.float32, **kw):
+  """The fused step and the optax transform from the same params, on the same gradients."""
+  step = gj.gossip_sgd_step(topology, beta=beta, learning_rate=learning_rate, **kw)
+  tx = gj.gossip_sgd(topology, beta=beta, learning_rate=learning_rate)
+  x = xr = _params(dtype)
+  state, tstate = step.init(x), tx.init(xr)
+  f = jax.jit(step, donate_argnums=(0, 1))
+  for k in range(steps):
+    g = _grads(xr, k)
+    updates, tstate = tx.update(g, tstate, xr)
+    xr = optax.apply_updates(xr, updates)
+    x, state = f(x, state, g)
+  return step, x, xr, state
+
+
+def test_native_kernel_builds_here():
+  """This machine has a C++ compiler, so the kernel must build; a failure names its reason."""
+  assert shutil.which("c++") or shutil.which("g++")
+  status = _native.load()
+  assert status.available, status.reason
+
+
+@pytest.mark.parametrize("topology", [gj.topology.ring(N), gj.topology.exponential(N),
+                                      gj.topology.exponential(N, symmetric=True)], ids=lambda t: t.name)
+def test_native_step_equals_gossip_sgd(topology):
+  step, x, xr, state = _run_both(topology, learning_rate=optax.linear_schedule(0.1, 0.02, 4))
+  assert step.native_status().available
+  assert int(state.count) == 5
+  for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(xr)):
+    assert a.dtype == jnp.float32
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert abs(float(jnp.mean(x["w"])) - float(jnp.mean(_params()["w"]))) > 1e-3  # it moved
+
+
+def test_native_step_is_the_custom_call():
+  step = gj.gossip_sgd_step(gj.topology.ring(N))
+  x = _params()
+  hlo = jax.jit(step, donate_argnums=(0, 1)).lower(x, step.init(x), x).as_text()
+  assert hlo.count(_native.TARGET) == 2  # one call per leaf
+  hlo_jax = jax.jit(gj.gossip_sgd_step(gj.topology.ring(N), native=False)).lower(x, step.init(x), x).as_text()
+  assert _native.TARGET not in hlo_jax
+
+
+def test_native_step_writes_in_place_when_donated():
+  step = gj.gossip_sgd_step(gj.topology.ring(N))
+  x = jnp.ones((N, 1 << 12), jnp.float32)
+  state = step.init(x)
+  px, pm = x.unsafe_buffer_pointer(), state.momentum.unsafe_buffer_pointer()
+  x, state = jax.jit(step, donate_argnums=(0, 1))(x, state, jnp.ones_like(x))
+  assert x.unsafe_buffer_pointer() == px and state.momentum.unsafe_buffer_pointer() == pm
+  np.testing.assert_allclose(x, 0.9)  # W (1 - 0.1 * 1) on a consensus
+
+
+@pytest.mark.parametrize("topology", [gj.topology.torus(2, 4), gj.topology.one_peer_exponential(N),
+                                      gj.topology.random_pairs(N, seed=3)], ids=lambda t: t.name)
+def test_other_graphs_run_the_jax_step(topology):
+  step, x, xr, _ = _run_both(topology, steps=6)
+  assert not step.native_status().available
+  for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(xr)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_float64_and_dpsgd_run_the_jax_step():
+  _, x, xr, _ = _run_both(gj.topology.ring(N), beta=0.0, dtype=jnp.float64)
+  for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(xr)):
+    assert a.dtype == jnp.float64
+    np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_native_true_says_why_it_cannot():
+  step = gj.gossip_sgd_step(gj.topology.torus(2, 4), native=True)
+  x = _params()
+  with pytest.raises(RuntimeError, match="not a static circulant graph"):
+    step(x, step.init(x), x)
+
+
+def test_bad_input_is_named():
+  step = gj.gossip_sgd_step(gj.topology.ring(N))
+  with pytest.raises(ValueError, match=r"\['w'\].*leading node axis of 4.*expects 8"):
+    step.init({"w": jnp.ones((4, 3))})
+  with pytest.raises(ValueError, match="block"):
+    gj.gossip_sgd_step(gj.topology.ring(N), block=0)
+  with pytest.raises(ValueError, match="doubly stochastic|column"):
+    gj.gossip_sgd_step(np.array([[0.5, 0.5], [0.9, 0.1]]))
+
+
+def test_a_failed_build_says_why(tmp_path, monkeypatch):
+  monkeypatch.setenv("GOSSIPJAX_CACHE_DIR", str(tmp_path))
+  assert "failed" in _native.build("false")
+  assert "failed" in _native.build(str(tmp_path / "no-such-compiler"))
+  assert not list(tmp_path.glob("*.so"))
