@@ -114,3 +114,23 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
   assert "failed" in _native.build("false")
   assert "failed" in _native.build(str(tmp_path / "no-such-compiler"))
   assert not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.parametrize("block", [1, 4, 7, 1024])
+def test_native_blocks_that_do_not_divide_the_columns(block):
+  """15 columns per node in blocks of 1, 4, 7 or 1024: the last block is partial or the only one."""
+  step, x, xr, _ = _run_both(gj.topology.exponential(N), steps=3, block=block)
+  assert step.native_status().available
+  for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(xr)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_native_step_on_two_nodes_and_a_vector_leaf():
+  step = gj.gossip_sgd_step(gj.topology.ring(4), beta=0.5, learning_rate=0.2)
+  x = jnp.arange(4.0, dtype=jnp.float32)  # one float per node: a (4,) leaf
+  g = jnp.array([1.0, -1.0, 2.0, 0.0], jnp.float32)
+  out, state = jax.jit(step)(x, step.init(x), g)
+  y = np.asarray(x) - 0.2 * np.asarray(g)
+  w = gj.topology.ring(4).matrix()
+  np.testing.assert_allclose(out, w @ y, rtol=1e-6)
+  np.testing.assert_allclose(state.momentum, g)
