@@ -134,3 +134,23 @@ def test_native_step_on_two_nodes_and_a_vector_leaf():
   w = gj.topology.ring(4).matrix()
   np.testing.assert_allclose(out, w @ y, rtol=1e-6)
   np.testing.assert_allclose(state.momentum, g)
+
+
+@pytest.mark.parametrize("topology", [
+    gj.topology.ring(2), gj.topology.ring(3), gj.topology.ring(5), gj.topology.ring(7), gj.topology.ring(64),
+    gj.topology.exponential(5),
+    gj.topology.exponential(64), gj.topology.exponential(33, symmetric=True),
+    gj.topology.directed_exponential(16), gj.topology.complete(12),
+], ids=lambda t: t.name)
+@pytest.mark.parametrize("block", [None, 3])
+def test_native_step_on_circulant_graphs_against_numpy(topology, block):
+  """Every circulant graph, any shift direction, more shifts than one pass takes (complete(12): 11)."""
+  n = topology.num_nodes
+  step = gj.gossip_sgd_step(topology, beta=0.8, learning_rate=0.05, native=True, block=block)
+  rng = np.random.default_rng(n)
+  x, m, g = (rng.standard_normal((n, 37)).astype(np.float32) for _ in range(3))
+  state = step.init(jnp.asarray(x))._replace(momentum=jnp.asarray(m))
+  out, state = jax.jit(step, donate_argnums=(0, 1))(jnp.asarray(x), state, jnp.asarray(g))
+  m_new = 0.8 * m.astype(np.float64) + g
+  np.testing.assert_allclose(state.momentum, m_new, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(out, topology.matrix() @ (x - 0.05 * m_new), rtol=1e-5, atol=1e-5)

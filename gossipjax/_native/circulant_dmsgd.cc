@@ -1,12 +1,24 @@
 // One DmSGD step for n nodes stacked on the leading axis, with a circulant mixing matrix,
-// in place: m <- beta m + g;  x <- w_self (x - lr m) + sum_k w_k roll(x - lr m, -s_k).
+// in place: m <- beta m + g;  y = x - lr m;  x_i <- w_self y_i + sum_k w_k y_{(i + s_k) mod n}.
+//
+// The step must read x, m, g once and write x, m once: five passes over n x d floats, and it
+// runs at memory speed only if every one of those passes is a long sequential stream and
+// nothing else touches memory. So the columns are cut into blocks of `block` floats and, for
+// one block, the rows are streamed in an order that a plan fixes once per call:
+//
+//   * step t computes the local step of one row r_t (reads x, m, g; writes m; keeps y in a
+//     scratch slot), then writes every output row whose inputs are all computed by now;
+//   * rows are computed starting at n + s_min (the rows the first outputs need across the
+//     wrap-around), then 0, 1, ..., so on a ring each output row is written one step after its
+//     own x was read, while that x is still in cache (its write costs no extra read);
+//   * a scratch slot is handed back as soon as the last output that reads it is written, so the
+//     scratch is a handful of rows on a ring (5) and at most n rows on any graph: block is
+//     chosen so that it stays in a core's cache (about 1 MiB), and never reaches memory.
 //
 // XLA:CPU runs this step far below memory bandwidth (the mixing reads each row at several
 // offsets, recomputes the local step for each, and writes a fresh buffer that is then copied
-// into the donated params). Here the columns are cut into blocks of `block` floats: for one
-// block, the local step of every node goes to a small scratch buffer that stays in cache, and
-// the mixed rows are written straight back over x. Each of x, m, g is read once and x, m are
-// written once: the five passes the step needs. Built at first use by gossipjax/_native.
+// into the donated params); benchmarks/optimizer_bandwidth.py times both. Built at first use by
+// gossipjax/_native.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -14,6 +26,217 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kScratchBytes = int64_t{1} << 20;  // scratch slots per thread: one core's L2
+constexpr int64_t kMaxBlock = 16384;                 // longer streams gain nothing measurable
+constexpr int64_t kMinBlock = 256;
+
+// The order of one column block, the same for every block.
+struct Plan {
+  int64_t n = 0;
+  int num_shifts = 0;
+  int num_slots = 0;
+  std::vector<int64_t> row;     // row computed at step t
+  std::vector<int32_t> slot;    // its scratch slot
+  std::vector<int64_t> wbegin;  // writes of step t: [wbegin[t], wbegin[t + 1])
+  std::vector<int64_t> wrow;    // output row of each write
+  std::vector<int32_t> wslot;   // per write: its own slot, then one slot per shift
+};
+
+Plan MakePlan(int64_t n, const std::vector<int64_t>& shift) {
+  Plan p;
+  p.n = n;
+  p.num_shifts = static_cast<int>(shift.size());
+  const int K = p.num_shifts;
+  int64_t smin = 0;
+  for (int64_t s : shift) smin = std::min(smin, s);
+  auto src = [&](int64_t i, int k) { return ((i + shift[k]) % n + n) % n; };
+  // Compute order, then the writes that become possible after each step (in row order).
+  std::vector<char> done(n, 0);
+  std::vector<int64_t> order;
+  for (int64_t r = n + smin; r < n; ++r) order.push_back(r);
+  for (int64_t r = 0; r < n + smin; ++r) order.push_back(r);
+  std::vector<std::vector<int64_t>> writes(n);
+  int64_t next = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    done[order[t]] = 1;
+    while (next < n) {
+      bool ready = done[next];
+      for (int k = 0; k < K && ready; ++k) ready = done[src(next, k)];
+      if (!ready) break;
+      writes[t].push_back(next++);
+    }
+  }
+  // The step at which each row's y is read for the last time, then slots by first fit.
+  std::vector<int64_t> last(n, 0);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i : writes[t]) {
+      last[i] = t;
+      for (int k = 0; k < K; ++k) last[src(i, k)] = t;
+    }
+  std::vector<std::vector<int64_t>> freed(n);
+  for (int64_t r = 0; r < n; ++r) freed[last[r]].push_back(r);
+  std::vector<int32_t> slot_of(n, -1), free_slots;
+  p.wbegin.push_back(0);
+  for (int64_t t = 0; t < n; ++t) {
+    int32_t s;
+    if (free_slots.empty()) {
+      s = p.num_slots++;
+    } else {
+      s = free_slots.back();
+      free_slots.pop_back();
+    }
+    slot_of[order[t]] = s;
+    p.row.push_back(order[t]);
+    p.slot.push_back(s);
+    for (int64_t i : writes[t]) {
+      p.wrow.push_back(i);
+      p.wslot.push_back(slot_of[i]);
+      for (int k = 0; k < K; ++k) p.wslot.push_back(slot_of[src(i, k)]);
+    }
+    p.wbegin.push_back(static_cast<int64_t>(p.wrow.size()));
+    for (int64_t r : freed[t]) free_slots.push_back(slot_of[r]);
+  }
+  return p;
+}
+
+// out = (acc ? out : w0 * y0) + sum_k w[k] * src[k], for K shifts at once.
+template <int K>
+void MixK(float* __restrict out, bool acc, const float* __restrict y0, float w0, const float* const* src_in,
+          const float* w_in, int64_t len) {
+  const float* src[K > 0 ? K : 1];
+  float w[K > 0 ? K : 1];
+  for (int k = 0; k < K; ++k) {
+    src[k] = src_in[k];
+    w[k] = w_in[k];
+  }
+  if (acc) {
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+      float a = out[j];
+      for (int k = 0; k < K; ++k) a += w[k] * src[k][j];
+      out[j] = a;
+    }
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+      float a = w0 * y0[j];
+      for (int k = 0; k < K; ++k) a += w[k] * src[k][j];
+      out[j] = a;
+    }
+  }
+}
+
+void Mix(float* out, const float* y0, float w0, const float* const* src, const float* w, int K, int64_t len) {
+  bool acc = false;
+  do {  // eight shifts per pass over the output row, which stays in cache meanwhile
+    const int k = std::min(K, 8);
+    switch (k) {
+      case 0: MixK<0>(out, acc, y0, w0, src, w, len); break;
+      case 1: MixK<1>(out, acc, y0, w0, src, w, len); break;
+      case 2: MixK<2>(out, acc, y0, w0, src, w, len); break;
+      case 3: MixK<3>(out, acc, y0, w0, src, w, len); break;
+      case 4: MixK<4>(out, acc, y0, w0, src, w, len); break;
+      case 5: MixK<5>(out, acc, y0, w0, src, w, len); break;
+      case 6: MixK<6>(out, acc, y0, w0, src, w, len); break;
+      case 7: MixK<7>(out, acc, y0, w0, src, w, len); break;
+      default: MixK<8>(out, acc, y0, w0, src, w, len); break;
+    }
+    acc = true;
+    src += k;
+    w += k;
+    K -= k;
+  } while (K > 0);
+}
+
+
+// Rows [i, i + P) of a ring-like graph (sources i - 1, i, i + 1): their local steps are kept in
+// registers, and the P output rows [i - 1, i + P - 1) are written in the same pass. Only the two
+// rows before them come from scratch (ya, yb), and the last two go back to it (za, zb).
+template <int P>
+void RingRows(const float* xp, const float* mp, const float* gp, float* xo, float* mo, int64_t d, int64_t i,
+              int64_t c0, int64_t cw, float lr, float beta, float wm, float w0, float wp, const float* ya,
+              const float* yb, float* za, float* zb) {
+  const float* xr[P];
+  const float* mr[P];
+  const float* gr[P];
+  float* mw[P];
+  float* out[P];
+  for (int p = 0; p < P; ++p) {
+    const int64_t off = (i + p) * d + c0;
+    xr[p] = xp + off;
+    mr[p] = mp + off;
+    gr[p] = gp + off;
+    mw[p] = mo + off;
+    out[p] = xo + off - d;
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < cw; ++j) {
+    float y[P + 2];
+    y[0] = ya[j];
+    y[1] = yb[j];
+    for (int p = 0; p < P; ++p) {
+      const float mm = beta * mr[p][j] + gr[p][j];
+      mw[p][j] = mm;
+      y[p + 2] = xr[p][j] - lr * mm;
+    }
+    for (int p = 0; p < P; ++p) out[p][j] = wm * y[p] + w0 * y[p + 1] + wp * y[p + 2];
+    za[j] = y[P];
+    zb[j] = y[P + 1];
+  }
+}
+
+// The local step of one row into scratch, its momentum in place.
+void LocalRow(const float* x, const float* m, const float* g, float* mo, float* y, int64_t cw, float lr, float beta) {
+#pragma omp simd
+  for (int64_t j = 0; j < cw; ++j) {
+    const float mm = beta * m[j] + g[j];
+    mo[j] = mm;
+    y[j] = x[j] - lr * mm;
+  }
+}
+
+// One column block of a ring-like graph (n >= 3), in one pass over the rows: y_{n-1} and y_0 go
+// to scratch first (every other row of x is still unread when its output is written), then rows
+// 1 .. n-2 four at a time, then the outputs n-2 and n-1 from scratch.
+void RingBlock(const float* xp, const float* mp, const float* gp, float* xo, float* mo, int64_t n, int64_t d,
+               int64_t c0, int64_t cw, float lr, float beta, float wm, float w0, float wp, float* scratch,
+               int64_t stride) {
+  constexpr int kRows = 4;
+  float* last = scratch;            // y_{n-1}
+  float* first = last + stride;     // y_0
+  float* ya = first + stride;       // the two most recent rows
+  float* yb = ya + stride;
+  const int64_t lo = (n - 1) * d + c0;
+  LocalRow(xp + lo, mp + lo, gp + lo, mo + lo, last, cw, lr, beta);
+  LocalRow(xp + c0, mp + c0, gp + c0, mo + c0, first, cw, lr, beta);
+  const float* ra = last;
+  const float* rb = first;
+  for (int64_t i = 1; i < n - 1;) {
+    const int64_t rows = std::min<int64_t>(kRows, n - 1 - i);
+    switch (rows) {
+      case 1: RingRows<1>(xp, mp, gp, xo, mo, d, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
+      case 2: RingRows<2>(xp, mp, gp, xo, mo, d, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
+      case 3: RingRows<3>(xp, mp, gp, xo, mo, d, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
+      default: RingRows<kRows>(xp, mp, gp, xo, mo, d, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
+    }
+    ra = ya;
+    rb = yb;
+    i += rows;
+  }
+  // Now ra = y_{n-3} and rb = y_{n-2}.
+  float* o2 = xo + (n - 2) * d + c0;
+  float* o1 = xo + (n - 1) * d + c0;
+#pragma omp simd
+  for (int64_t j = 0; j < cw; ++j) {
+    o2[j] = wm * ra[j] + w0 * rb[j] + wp * last[j];
+    o1[j] = wm * rb[j] + w0 * last[j] + wp * first[j];
+  }
+}
+
+}  // namespace
 
 static ffi::Error CirculantDmsgd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> g,
                                  ffi::Buffer<ffi::F32> hyper, ffi::Span<const int64_t> shifts,
@@ -24,9 +247,9 @@ static ffi::Error CirculantDmsgd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> 
     return ffi::Error::InvalidArgument("params, momentum and grads differ in size");
   if (hyper.element_count() != 2) return ffi::Error::InvalidArgument("hyper must be [learning_rate, beta]");
   if (shifts.size() != weights.size()) return ffi::Error::InvalidArgument("one weight per shift");
-  if (block < 1) return ffi::Error::InvalidArgument("block must be positive");
+  if (block < 0) return ffi::Error::InvalidArgument("block must be positive (or 0: chosen from the graph)");
   const int64_t n = x.dimensions()[0];
-  if (n == 0) return ffi::Error::Success();
+  if (n == 0 || x.element_count() == 0) return ffi::Error::Success();
   const int64_t d = x.element_count() / n;
   const float lr = hyper.typed_data()[0], beta = hyper.typed_data()[1];
   const float* xp = x.typed_data();
@@ -34,43 +257,59 @@ static ffi::Error CirculantDmsgd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> 
   const float* gp = g.typed_data();
   float* xo = x_out->typed_data();
   float* mo = m_out->typed_data();
-  const int64_t num_shifts = static_cast<int64_t>(shifts.size());
-  std::vector<int64_t> shift(num_shifts);
-  for (int64_t k = 0; k < num_shifts; ++k) shift[k] = ((shifts[k] % n) + n) % n;
+  const int K = static_cast<int>(shifts.size());
+  const std::vector<float> weight(weights.begin(), weights.end());
+  std::vector<int64_t> shift(K);  // signed, in (-n/2, n/2]
+  for (int k = 0; k < K; ++k) {
+    int64_t s = ((shifts[k] % n) + n) % n;
+    shift[k] = s > n / 2 ? s - n : s;
+  }
+  bool ring = n >= 3;  // every source within one row: the one-pass kernel
+  float wm = 0.0f, w0 = self_weight, wp = 0.0f;
+  for (int k = 0; k < K; ++k) {
+    ring = ring && shift[k] >= -1 && shift[k] <= 1;
+    (shift[k] < 0 ? wm : shift[k] > 0 ? wp : w0) += weight[k];
+  }
+  if (ring) {
+    if (block == 0) block = kMaxBlock;
+    block = std::min(block, d);
+    const int64_t num_blocks = (d + block - 1) / block;
+#pragma omp parallel
+    {
+      std::vector<float> scratch(static_cast<size_t>(4 * block));
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t c0 = b * block;
+        RingBlock(xp, mp, gp, xo, mo, n, d, c0, std::min(block, d - c0), lr, beta, wm, w0, wp, scratch.data(), block);
+      }
+    }
+    return ffi::Error::Success();
+  }
+
+  const Plan plan = MakePlan(n, shift);
+  if (block == 0) {
+    block = kScratchBytes / (static_cast<int64_t>(sizeof(float)) * plan.num_slots);
+    block = std::clamp<int64_t>(block / 16 * 16, kMinBlock, kMaxBlock);
+  }
+  block = std::min(block, d);
   const int64_t num_blocks = (d + block - 1) / block;
 
 #pragma omp parallel
   {
-    std::vector<float> y(static_cast<size_t>(n * block));
+    std::vector<float> scratch(static_cast<size_t>(plan.num_slots * block));
+    std::vector<const float*> src(K);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < num_blocks; ++b) {
       const int64_t c0 = b * block;
       const int64_t cw = std::min(block, d - c0);
-      // Every node's local step for this block of columns; x is read before any of it is written.
-      for (int64_t i = 0; i < n; ++i) {
-        const float* xi = xp + i * d + c0;
-        const float* mi = mp + i * d + c0;
-        const float* gi = gp + i * d + c0;
-        float* moi = mo + i * d + c0;
-        float* yi = y.data() + i * block;
-#pragma omp simd
-        for (int64_t j = 0; j < cw; ++j) {
-          const float mm = beta * mi[j] + gi[j];
-          moi[j] = mm;
-          yi[j] = xi[j] - lr * mm;
-        }
-      }
-      // Row i of W y: its own step and the rows at its shifts, written over x.
-      for (int64_t i = 0; i < n; ++i) {
-        float* out = xo + i * d + c0;
-        const float* yi = y.data() + i * block;
-#pragma omp simd
-        for (int64_t j = 0; j < cw; ++j) out[j] = self_weight * yi[j];
-        for (int64_t k = 0; k < num_shifts; ++k) {
-          const float w = weights[k];
-          const float* ys = y.data() + ((i + shift[k]) % n) * block;
-#pragma omp simd
-          for (int64_t j = 0; j < cw; ++j) out[j] += w * ys[j];
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t off = plan.row[t] * d + c0;
+        LocalRow(xp + off, mp + off, gp + off, mo + off, scratch.data() + plan.slot[t] * block, cw, lr, beta);
+        for (int64_t w = plan.wbegin[t]; w < plan.wbegin[t + 1]; ++w) {
+          const int32_t* slots = plan.wslot.data() + w * (K + 1);
+          for (int k = 0; k < K; ++k) src[k] = scratch.data() + slots[k + 1] * block;
+          Mix(xo + plan.wrow[w] * d + c0, scratch.data() + slots[0] * block, self_weight, src.data(), weight.data(), K,
+              cw);
         }
       }
     }
@@ -87,6 +326,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GossipjaxCirculantDmsgd, CirculantDmsgd,
                                   .Attr<ffi::Span<const int64_t>>("shifts")
                                   .Attr<ffi::Span<const float>>("weights")
                                   .Attr<float>("self_weight")
-                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("block")  // columns per block; 0: chosen from the graph
                                   .Ret<ffi::Buffer<ffi::F32>>()  // x, aliased to the input
                                   .Ret<ffi::Buffer<ffi::F32>>());  // m, aliased to the input

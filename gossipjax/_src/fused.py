@@ -36,7 +36,7 @@ class GossipSGDStep:
   beta: float
   learning_rate: optax.ScalarOrSchedule
   native: bool | None
-  block: int
+  block: int | None
 
   @property
   def num_nodes(self) -> int:
@@ -89,7 +89,7 @@ class GossipSGDStep:
     hyper = jnp.stack([jnp.asarray(lr, jnp.float32), jnp.asarray(self.beta, jnp.float32)])
     return call(x, m.astype(jnp.float32), g.astype(jnp.float32), hyper, shifts=np.asarray(shifts, np.int64),
                 weights=np.asarray(weights, np.float32), self_weight=np.float32(self_weight),
-                block=np.int64(self.block))
+                block=np.int64(self.block or 0))
 
 
 def gossip_sgd_step(
@@ -98,7 +98,7 @@ def gossip_sgd_step(
     learning_rate: optax.ScalarOrSchedule = 0.1,
     *,
     native: bool | None = None,
-    block: int = 1024,
+    block: int | None = None,
 ) -> GossipSGDStep:
   r"""DmSGD (D-PSGD at ``beta = 0``) as one fused step that updates params and momentum in place.
 
@@ -123,7 +123,9 @@ def gossip_sgd_step(
     learning_rate: a float or an optax schedule (of the step count kept in the state).
     native: ``None`` uses the native kernel where it applies; ``True`` raises if it cannot;
       ``False`` always runs the JAX version.
-    block: columns per cache block of the native kernel.
+    block: columns per cache block of the native kernel; ``None`` sizes it from the graph,
+      so that the rows it keeps in flight (5 on a ring, up to n on other graphs) fill about
+      1 MiB of cache, between 256 and 16,384 columns.
 
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
@@ -136,6 +138,7 @@ def gossip_sgd_step(
   """
   check_learning_rate(learning_rate, "gj.gossip_sgd_step")
   check_momentum(beta, "gj.gossip_sgd_step")
-  if int(block) < 1:
+  if block is not None and int(block) < 1:
     raise ValueError(f"gj.gossip_sgd_step: block must be a positive number of columns, got {block}")
-  return GossipSGDStep(make_mixer(topology), float(beta), learning_rate, native, int(block))
+  return GossipSGDStep(make_mixer(topology), float(beta), learning_rate, native,
+                       None if block is None else int(block))
