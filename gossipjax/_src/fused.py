@@ -123,9 +123,9 @@ def gossip_sgd_step(
     learning_rate: a float or an optax schedule (of the step count kept in the state).
     native: ``None`` uses the native kernel where it applies; ``True`` raises if it cannot;
       ``False`` always runs the JAX version.
-    block: columns per cache block of the native kernel; ``None`` sizes it from the graph,
-      so that the rows it keeps in flight (5 on a ring, up to n on other graphs) fill about
-      1 MiB of cache, between 256 and 16,384 columns.
+    block: columns per cache block of the native kernel. ``None`` picks it from the graph:
+      16,384 on a ring; on other graphs, enough that the rows the kernel keeps in scratch
+      (up to n) fill about 1 MiB of cache, between 256 and 16,384 columns.
 
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
