@@ -37,8 +37,6 @@ constexpr int64_t kMinBlock = 256;
 
 // The order of one column block, the same for every block.
 struct Plan {
-  int64_t n = 0;
-  int num_shifts = 0;
   int num_slots = 0;
   std::vector<int64_t> row;     // row computed at step t
   std::vector<int32_t> slot;    // its scratch slot
@@ -49,9 +47,7 @@ struct Plan {
 
 Plan MakePlan(int64_t n, const std::vector<int64_t>& shift) {
   Plan p;
-  p.n = n;
-  p.num_shifts = static_cast<int>(shift.size());
-  const int K = p.num_shifts;
+  const int K = static_cast<int>(shift.size());
   int64_t smin = 0;
   for (int64_t s : shift) smin = std::min(smin, s);
   auto src = [&](int64_t i, int k) { return ((i + shift[k]) % n + n) % n; };
@@ -201,7 +197,7 @@ void LocalRow(const float* x, const float* m, const float* g, float* mo, float* 
 }
 
 // One column block of a ring-like graph (n >= 3), in one pass over the rows: y_{n-1} and y_0 go
-// to scratch first (every other row of x is still unread when its output is written), then rows
+// to scratch first (outputs 0, n-2 and n-1 read them across the wrap-around), then rows
 // 1 .. n-2 four at a time, then the outputs n-2 and n-1 from scratch.
 void RingBlock(const float* xp, const float* mp, const float* gp, float* xo, float* mo, int64_t n, int64_t d,
                int64_t c0, int64_t cw, float lr, float beta, float wm, float w0, float wp, float* scratch,
