@@ -20,7 +20,7 @@ import time
 
 from benchmarks import _timing
 
-SUITE = ("optimizer_bandwidth", "dmsgd_step", "memory", "compile_time", "scale", "resnet20_gpu")
+SUITE = ("optimizer_bandwidth", "kernel_schedules", "dmsgd_step", "memory", "compile_time", "scale", "resnet20_gpu")
 OPTIONAL = ("mpi_gossip",)
 
 

@@ -130,10 +130,16 @@ def test_library_step_equals_hand_fused_step():
 def test_benchmark_suite_quick(tmp_path):
   out = tmp_path / "results.json"
   bench_main.main(["--quick", "--no-torch", "--json", str(out),
-                   "--only", "optimizer_bandwidth", "dmsgd_step", "memory", "compile_time", "scale", "resnet20_gpu"])
+                   "--only", "optimizer_bandwidth", "kernel_schedules", "dmsgd_step", "memory", "compile_time", "scale",
+                   "resnet20_gpu"])
   r = json.loads(out.read_text())["benchmarks"]
   assert set(r["optimizer_bandwidth"]["fraction_of_copy_bandwidth"]) >= {"gossipjax_ring(8)", "hand_fused_ring"}
   assert all(v > 0 for v in r["optimizer_bandwidth"]["fraction_of_copy_bandwidth"].values())
+  ks = r["kernel_schedules"]  # the native step, built outside JAX, checked against a float64 reference
+  assert set(ks["max_abs_error"]) == {"ring", "exponential"} and max(ks["max_abs_error"].values()) < 1e-5
+  assert set(ks["cases"]) == {"copy", "no_mixing", "ring", "exponential", "exponential_own_row_only",
+                              "exponential_mixing_only"}
+  assert all(c["ms"] > 0 and c["fraction_of_copy_bandwidth"] > 0 for c in ks["cases"].values())
   assert r["dmsgd_step"]["max_abs_param_diff_vs_hand_fused"] < 1e-5
   assert r["memory"]["donated"]["peak"] < r["memory"]["not_donated"]["peak"]
   assert all(c == 1 for c in r["compile_time"]["compilations_over_two_periods"].values())

@@ -234,29 +234,13 @@ void RingBlock(const float* xp, const float* mp, const float* gp, float* xo, flo
   }
 }
 
-}  // namespace
-
-static ffi::Error CirculantDmsgd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> g,
-                                 ffi::Buffer<ffi::F32> hyper, ffi::Span<const int64_t> shifts,
-                                 ffi::Span<const float> weights, float self_weight, int64_t block,
-                                 ffi::ResultBuffer<ffi::F32> x_out, ffi::ResultBuffer<ffi::F32> m_out) {
-  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument("params need a leading node axis");
-  if (m.element_count() != x.element_count() || g.element_count() != x.element_count())
-    return ffi::Error::InvalidArgument("params, momentum and grads differ in size");
-  if (hyper.element_count() != 2) return ffi::Error::InvalidArgument("hyper must be [learning_rate, beta]");
-  if (shifts.size() != weights.size()) return ffi::Error::InvalidArgument("one weight per shift");
-  if (block < 0) return ffi::Error::InvalidArgument("block must be positive (or 0: chosen from the graph)");
-  const int64_t n = x.dimensions()[0];
-  if (n == 0 || x.element_count() == 0) return ffi::Error::Success();
-  const int64_t d = x.element_count() / n;
-  const float lr = hyper.typed_data()[0], beta = hyper.typed_data()[1];
-  const float* xp = x.typed_data();
-  const float* mp = m.typed_data();
-  const float* gp = g.typed_data();
-  float* xo = x_out->typed_data();
-  float* mo = m_out->typed_data();
+// The whole step, for n rows of d floats, x and m in place (xo may alias xp, mo may alias mp).
+// Shifts are taken mod n; block 0 picks the block from the graph. The FFI handler below calls it,
+// and so does benchmarks/kernel_schedules.cc, which times it against other schedules.
+void CirculantStep(const float* xp, const float* mp, const float* gp, float* xo, float* mo, int64_t n, int64_t d,
+                   const std::vector<int64_t>& shifts, const std::vector<float>& weight, float self_weight,
+                   int64_t block, float lr, float beta) {
   const int K = static_cast<int>(shifts.size());
-  const std::vector<float> weight(weights.begin(), weights.end());
   std::vector<int64_t> shift(K);  // signed, in (-n/2, n/2]
   for (int k = 0; k < K; ++k) {
     int64_t s = ((shifts[k] % n) + n) % n;
@@ -281,7 +265,7 @@ static ffi::Error CirculantDmsgd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> 
         RingBlock(xp, mp, gp, xo, mo, n, d, c0, std::min(block, d - c0), lr, beta, wm, w0, wp, scratch.data(), block);
       }
     }
-    return ffi::Error::Success();
+    return;
   }
 
   const Plan plan = MakePlan(n, shift);
@@ -312,6 +296,31 @@ static ffi::Error CirculantDmsgd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> 
       }
     }
   }
+}
+
+}  // namespace
+
+static ffi::Error CirculantDmsgd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> g,
+                                 ffi::Buffer<ffi::F32> hyper, ffi::Span<const int64_t> shifts,
+                                 ffi::Span<const float> weights, float self_weight, int64_t block,
+                                 ffi::ResultBuffer<ffi::F32> x_out, ffi::ResultBuffer<ffi::F32> m_out) {
+  if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument("params need a leading node axis");
+  if (m.element_count() != x.element_count() || g.element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("params, momentum and grads differ in size");
+  if (hyper.element_count() != 2) return ffi::Error::InvalidArgument("hyper must be [learning_rate, beta]");
+  if (shifts.size() != weights.size()) return ffi::Error::InvalidArgument("one weight per shift");
+  if (block < 0) return ffi::Error::InvalidArgument("block must be positive (or 0: chosen from the graph)");
+  const int64_t n = x.dimensions()[0];
+  if (n == 0 || x.element_count() == 0) return ffi::Error::Success();
+  const int64_t d = x.element_count() / n;
+  const float lr = hyper.typed_data()[0], beta = hyper.typed_data()[1];
+  const float* xp = x.typed_data();
+  const float* mp = m.typed_data();
+  const float* gp = g.typed_data();
+  float* xo = x_out->typed_data();
+  float* mo = m_out->typed_data();
+  CirculantStep(xp, mp, gp, xo, mo, n, d, std::vector<int64_t>(shifts.begin(), shifts.end()),
+                std::vector<float>(weights.begin(), weights.end()), self_weight, block, lr, beta);
   return ffi::Error::Success();
 }
 
