@@ -78,14 +78,8 @@ double MaxError(const Graph& gr, int64_t n, int64_t d) {
 // output from its own row only; mode 1 drops the local steps and keeps the full mixing.
 void CutPlan(float* x, float* m, const float* g, int64_t n, int64_t d, const Graph& gr, int mode) {
   const int K = static_cast<int>(gr.shifts.size());
-  std::vector<int64_t> shift(K);
-  for (int k = 0; k < K; ++k) {
-    const int64_t s = ((gr.shifts[k] % n) + n) % n;
-    shift[k] = s > n / 2 ? s - n : s;
-  }
-  const Plan plan = MakePlan(n, shift);
-  int64_t block = kScratchBytes / (static_cast<int64_t>(sizeof(float)) * plan.num_slots);  // as CirculantStep
-  block = std::min(std::clamp<int64_t>(block / 16 * 16, kMinBlock, kMaxBlock), d);
+  const Plan plan = MakePlan(n, SignedShifts(n, gr.shifts));
+  const int64_t block = std::min(AutoBlock(plan), d);  // as CirculantStep with block 0
   const int64_t num_blocks = (d + block - 1) / block;
 #pragma omp parallel
   {
@@ -160,9 +154,7 @@ int main(int argc, char** argv) {
     cases.push_back({gr.name, 5, [&, gr] {
                        CirculantStep(x, m, g, x, m, n, d, gr.shifts, gr.weights, gr.self_weight, 0, kLr, kBeta);
                      }});
-    bool ring = n >= 3;
-    for (int64_t s : gr.shifts) ring = ring && (((s % n) + n) % n <= 1 || ((s % n) + n) % n == n - 1);
-    if (ring) continue;  // the plan is for the other graphs
+    if (RingLike(n, SignedShifts(n, gr.shifts))) continue;  // the plan is for the other graphs
     cases.push_back({gr.name + "_own_row_only", 5, [&, gr] { CutPlan(x, m, g, n, d, gr, 0); }});
     cases.push_back({gr.name + "_mixing_only", 1, [&, gr] { CutPlan(x, m, g, n, d, gr, 1); }});
   }

@@ -234,6 +234,27 @@ void RingBlock(const float* xp, const float* mp, const float* gp, float* xo, flo
   }
 }
 
+// Shifts mod n, signed, in (-n/2, n/2].
+std::vector<int64_t> SignedShifts(int64_t n, const std::vector<int64_t>& shifts) {
+  std::vector<int64_t> shift;
+  for (int64_t s : shifts) {
+    s = ((s % n) + n) % n;
+    shift.push_back(s > n / 2 ? s - n : s);
+  }
+  return shift;
+}
+
+// Every source within one row (shifts -1, 0, +1): the one-pass ring kernel applies.
+bool RingLike(int64_t n, const std::vector<int64_t>& shift) {
+  return n >= 3 && std::all_of(shift.begin(), shift.end(), [](int64_t s) { return s >= -1 && s <= 1; });
+}
+
+// The plan's block when none is given: its live slots fill about kScratchBytes.
+int64_t AutoBlock(const Plan& plan) {
+  const int64_t block = kScratchBytes / (static_cast<int64_t>(sizeof(float)) * plan.num_slots);
+  return std::clamp<int64_t>(block / 16 * 16, kMinBlock, kMaxBlock);
+}
+
 // The whole step, for n rows of d floats, x and m in place (xo may alias xp, mo may alias mp).
 // Shifts are taken mod n; block 0 picks the block from the graph. The FFI handler below calls it,
 // and so does benchmarks/kernel_schedules.cc, which times it against other schedules.
@@ -241,18 +262,10 @@ void CirculantStep(const float* xp, const float* mp, const float* gp, float* xo,
                    const std::vector<int64_t>& shifts, const std::vector<float>& weight, float self_weight,
                    int64_t block, float lr, float beta) {
   const int K = static_cast<int>(shifts.size());
-  std::vector<int64_t> shift(K);  // signed, in (-n/2, n/2]
-  for (int k = 0; k < K; ++k) {
-    int64_t s = ((shifts[k] % n) + n) % n;
-    shift[k] = s > n / 2 ? s - n : s;
-  }
-  bool ring = n >= 3;  // every source within one row: the one-pass kernel
-  float wm = 0.0f, w0 = self_weight, wp = 0.0f;
-  for (int k = 0; k < K; ++k) {
-    ring = ring && shift[k] >= -1 && shift[k] <= 1;
-    (shift[k] < 0 ? wm : shift[k] > 0 ? wp : w0) += weight[k];
-  }
-  if (ring) {
+  const std::vector<int64_t> shift = SignedShifts(n, shifts);
+  if (RingLike(n, shift)) {
+    float wm = 0.0f, w0 = self_weight, wp = 0.0f;
+    for (int k = 0; k < K; ++k) (shift[k] < 0 ? wm : shift[k] > 0 ? wp : w0) += weight[k];
     if (block == 0) block = kMaxBlock;
     block = std::min(block, d);
     const int64_t num_blocks = (d + block - 1) / block;
@@ -269,10 +282,7 @@ void CirculantStep(const float* xp, const float* mp, const float* gp, float* xo,
   }
 
   const Plan plan = MakePlan(n, shift);
-  if (block == 0) {
-    block = kScratchBytes / (static_cast<int64_t>(sizeof(float)) * plan.num_slots);
-    block = std::clamp<int64_t>(block / 16 * 16, kMinBlock, kMaxBlock);
-  }
+  if (block == 0) block = AutoBlock(plan);
   block = std::min(block, d);
   const int64_t num_blocks = (d + block - 1) / block;
 
