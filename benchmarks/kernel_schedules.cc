@@ -11,6 +11,9 @@
 //                          scratch and writes it later can cost
 //   <graph>_mixing_only    the plan's outputs from the scratch slots, with no local steps: the cache reads
 //                          of the mixing and the output stream, without the memory reads (one pass)
+//   <case>_one_thread      copy, no_mixing and each graph's step again on one thread: a loop that one core
+//                          can drive near the memory's speed loses little, a step bound by the work on the
+//                          core takes up to twice as long
 //
 // Usage: kernel_schedules N D REPS NAME SHIFTS WEIGHTS SELF [NAME SHIFTS WEIGHTS SELF ...]
 //   (SHIFTS, WEIGHTS: comma-separated). Checks each graph's step against a double-precision reference on a
@@ -157,6 +160,17 @@ int main(int argc, char** argv) {
     if (RingLike(n, SignedShifts(n, gr.shifts))) continue;  // the plan is for the other graphs
     cases.push_back({gr.name + "_own_row_only", 5, [&, gr] { CutPlan(x, m, g, n, d, gr, 0); }});
     cases.push_back({gr.name + "_mixing_only", 1, [&, gr] { CutPlan(x, m, g, n, d, gr, 1); }});
+  }
+
+  const size_t two_threads = cases.size();
+  for (size_t k = 0; k < two_threads; ++k) {
+    if (cases[k].name.find("_only") != std::string::npos) continue;
+    cases.push_back({cases[k].name + "_one_thread", cases[k].passes, [run = cases[k].run] {
+                       const int threads = omp_get_max_threads();
+                       omp_set_num_threads(1);
+                       run();
+                       omp_set_num_threads(threads);
+                     }});
   }
 
   // Interleaved rounds, the order rotated each round; medians.

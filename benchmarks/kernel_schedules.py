@@ -6,6 +6,8 @@ the in-place copy, the no-mixing update, the library's step on the ring and the 
 graph, and for the exponential graph two schedules cut down from the kernel's own plan: each
 output reading only its own row back from scratch (the cost of sending every row through
 scratch and writing it later), and the mixing alone (its cache reads, no local steps).
+The copy, the no-mixing update and each graph's step run again on one thread: what one core
+can do on its own tells a step bound by memory from one bound by the work on the core.
 Each step is first checked against a double-precision reference.
 """
 
