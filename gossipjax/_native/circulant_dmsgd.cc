@@ -15,7 +15,9 @@
 //     outputs need across the wrap-around). A slot is handed back once its last reader is
 //     written, and block is sized so that the live slots (up to n rows) stay in about 1 MiB of
 //     cache. On an exponential graph nearly every row is live for the whole block, and reading
-//     seven of them per output from cache keeps this path below the no-mixing speed.
+//     seven of them per output from cache keeps this path below the no-mixing speed: on one
+//     thread it takes 1.8x its two-thread time, so it is bound by the work on the core, not by
+//     memory (benchmarks/kernel_schedules, `<case>_one_thread`).
 //
 // XLA:CPU runs this step far below memory bandwidth (the mixing reads each row at several
 // offsets, recomputes the local step for each, and writes a fresh buffer that is then copied
