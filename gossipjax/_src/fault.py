@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import sys
+import time
+import traceback
 from typing import Any
 
 _installed: dict[str, Any] = {}
+
+# After the traceback is written and before the abort: mpiexec's proxies forward a rank's
+# output through pipes, and an abort that tears them down at once can drop what they have
+# not yet passed on (the user would see half a traceback, or none).
+_FORWARD_GRACE_S = 0.5
 
 
 def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
@@ -13,9 +20,10 @@ def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
 
   Without it, a rank that raises exits (or blocks in ``MPI_Finalize``) while the other
   ranks wait forever in their next collective or receive: the job hangs until a wall-clock
-  limit. With it, the exception's traceback is printed as usual and then
-  ``comm.Abort(errorcode)`` tells ``mpiexec`` to kill every rank, so the job ends with a
-  non-zero status within seconds. (This is what ``python -m mpi4py script.py`` does; this
+  limit. With it, the exception's traceback is printed as usual, then a line naming the rank
+  (``gossipjax: uncaught exception on rank 2 of 4: MPI_Abort(1) ends every rank``), and half
+  a second later, so that ``mpiexec`` has forwarded that output, ``comm.Abort(errorcode)``
+  tells ``mpiexec`` to kill every rank: the job ends with a non-zero status within seconds. (This is what ``python -m mpi4py script.py`` does; this
   function gives it to scripts launched as ``mpiexec python script.py``.)
 
   It hooks ``sys.excepthook`` (uncaught exceptions of the main thread). Calling it again
@@ -41,16 +49,26 @@ def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
   previous = sys.excepthook
 
   def abort() -> None:
+    comm_, code = _installed["comm"], _installed["errorcode"]
+    try:  # said here too: the MPI library's own abort message can be lost with the job's pipes
+      sys.stderr.write(f"gossipjax: uncaught exception on rank {comm_.Get_rank()} of {comm_.Get_size()}: "
+                       f"MPI_Abort({code}) ends every rank\n")
+    except Exception:
+      pass
     for stream in (sys.stdout, sys.stderr):
       try:
         stream.flush()
       except Exception:  # a closed stream must not stop the abort
         pass
-    _installed["comm"].Abort(_installed["errorcode"])
+    time.sleep(_FORWARD_GRACE_S)
+    comm_.Abort(code)
 
   def hook(kind, value, tb):
     try:
-      previous(kind, value, tb)
+      if previous is sys.__excepthook__:  # the whole traceback in one write, so it is forwarded whole
+        sys.stderr.write("".join(traceback.format_exception(kind, value, tb)))
+      else:
+        previous(kind, value, tb)
     finally:
       abort()
 

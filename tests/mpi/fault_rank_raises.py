@@ -3,7 +3,7 @@
 Usage: mpiexec -n 4 python fault_rank_raises.py {mpi4py,mpi4jax,gossip,kill}
   mpi4py:  the others wait in ``comm.allreduce`` (mpi4py), rank 2 raises (gj.abort_on_error installed).
   mpi4jax: the others wait in a jitted ``mpi4jax.allreduce``, rank 2 raises (gj.abort_on_error installed).
-  gossip:  the others take a gossip_sgd step on ``gj.backend.mpi()`` (which installs the hook
+  gossip:  the others take two gossip_sgd steps on ``gj.backend.mpi()`` (which installs the hook
            itself), rank 2 raises instead.
   kill:    rank 2 is killed by SIGKILL (no Python hook runs); mpiexec must end the job.
 """
@@ -47,7 +47,10 @@ else:
 
   tx = gj.gossip_sgd(gj.topology.ring(8), beta=0.9, learning_rate=0.1, backend=backend)
   x = jnp.zeros((2, 3))
-  updates, _ = tx.update(jnp.ones((2, 3)), tx.init(x), x)
-  updates.block_until_ready()
+  state = tx.init(x)
+  for _ in range(2):  # rank 0 is no neighbour of rank 2: it waits for it only from the second step on
+    updates, state = tx.update(jnp.ones((2, 3)), state, x)
+    x = x + updates
+  x.block_until_ready()
 print(f"rank {rank} got past the collective: the failure was not detected", flush=True)
 sys.exit(0)
