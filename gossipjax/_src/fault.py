@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from typing import Any
 
 _installed: dict[str, Any] = {}
@@ -23,8 +22,9 @@ def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
   limit. With it, the exception's traceback is printed as usual, then a line naming the rank
   (``gossipjax: uncaught exception on rank 2 of 4: MPI_Abort(1) ends every rank``), and half
   a second later, so that ``mpiexec`` has forwarded that output, ``comm.Abort(errorcode)``
-  tells ``mpiexec`` to kill every rank: the job ends with a non-zero status within seconds. (This is what ``python -m mpi4py script.py`` does; this
-  function gives it to scripts launched as ``mpiexec python script.py``.)
+  tells ``mpiexec`` to kill every rank: the job ends with a non-zero status within seconds.
+  (This is what ``python -m mpi4py script.py`` does; this function gives it to scripts
+  launched as ``mpiexec python script.py``.)
 
   It hooks ``sys.excepthook`` (uncaught exceptions of the main thread). Calling it again
   replaces the communicator. It does nothing without mpi4py or on a communicator of one
@@ -65,10 +65,7 @@ def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
 
   def hook(kind, value, tb):
     try:
-      if previous is sys.__excepthook__:  # the whole traceback in one write, so it is forwarded whole
-        sys.stderr.write("".join(traceback.format_exception(kind, value, tb)))
-      else:
-        previous(kind, value, tb)
+      previous(kind, value, tb)
     finally:
       abort()
 
