@@ -15,6 +15,9 @@
 //                          can drive near the memory's speed loses little, a step bound by the work on the
 //                          core takes up to twice as long
 //
+// kernel_schedules.py runs it twice: on the full problem, and on rows short enough to stay in cache
+// (`<case>_in_cache`: the work on the cores alone, with no memory stream to wait for).
+//
 // Usage: kernel_schedules N D REPS NAME SHIFTS WEIGHTS SELF [NAME SHIFTS WEIGHTS SELF ...]
 //   (SHIFTS, WEIGHTS: comma-separated). Checks each graph's step against a double-precision reference on a
 //   small problem first, then prints one JSON object.

@@ -141,6 +141,10 @@ def test_benchmark_suite_quick(tmp_path):
   assert set(ks["cases"]) == two_threads | {"exponential_own_row_only", "exponential_mixing_only"} | {
       f"{c}_one_thread" for c in two_threads}
   assert all(c["ms"] > 0 and c["fraction_of_copy_bandwidth"] > 0 for c in ks["cases"].values())
+  in_cache = {"copy", "no_mixing", "exponential"}  # the second run, rows short enough to stay in cache
+  assert set(ks["in_cache"]["cases"]) == in_cache | {"exponential_own_row_only", "exponential_mixing_only"} | {
+      f"{c}_one_thread" for c in in_cache}
+  assert all(c["ms"] > 0 and c["fraction_of_copy_bandwidth"] > 0 for c in ks["in_cache"]["cases"].values())
   assert r["dmsgd_step"]["max_abs_param_diff_vs_hand_fused"] < 1e-5
   assert r["memory"]["donated"]["peak"] < r["memory"]["not_donated"]["peak"]
   assert all(c == 1 for c in r["compile_time"]["compilations_over_two_periods"].values())
