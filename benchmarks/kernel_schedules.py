@@ -78,19 +78,20 @@ def run(quick: bool = False) -> dict:
   return r
 
 
+def _row(name: str, c: dict) -> str:
+  return (f"  {name:34s} {c['ms']:8.2f} ms  {c['passes']} passes  {c['gbps']:6.1f} GB/s  "
+          f"{c['fraction_of_copy_bandwidth']:.2f} of copy bandwidth")
+
+
 def table(r: dict) -> list[str]:
   if "skipped" in r:
     return [f"Kernel schedules: skipped ({r['skipped']})"]
   lines = [f"Native kernel against cut-down schedules, {r['n']} nodes x {r['d']} floats, {r['threads']} threads "
            f"(outside JAX; max |error| vs a float64 reference: "
            + ", ".join(f"{k} {v:.1e}" for k, v in r["max_abs_error"].items()) + ")"]
-  for name, c in r["cases"].items():
-    lines.append(f"  {name:34s} {c['ms']:8.2f} ms  {c['passes']} passes  {c['gbps']:6.1f} GB/s  "
-                 f"{c['fraction_of_copy_bandwidth']:.2f} of copy bandwidth")
+  lines += [_row(name, c) for name, c in r["cases"].items()]
   cached = r["in_cache"]
   lines.append(f"The same on {r['n']} x {cached['d']} floats, in cache, times scaled to {r['n']} x {r['d']} "
                "(fractions of the copy from memory above):")
-  for name, c in cached["cases"].items():
-    lines.append(f"  {name + '_in_cache':34s} {c['ms']:8.2f} ms  {c['passes']} passes  {c['gbps']:6.1f} GB/s  "
-                 f"{c['fraction_of_copy_bandwidth']:.2f} of copy bandwidth")
+  lines += [_row(name + "_in_cache", c) for name, c in cached["cases"].items()]
   return lines
