@@ -11,6 +11,8 @@
 //                          scratch and writes it later can cost
 //   <graph>_mixing_only    the plan's outputs from the scratch slots, with no local steps: the cache reads
 //                          of the mixing and the output stream, without the memory reads (one pass)
+//   <graph>_block_<b>      the library's step with blocks of b columns instead of the ones AutoBlock picks
+//                          (for 64 nodes of the exponential graph: 4,096 columns, 1 MiB of scratch per thread)
 //   <case>_one_thread      copy, no_mixing and each graph's step again on one thread: a loop that one core
 //                          can drive near the memory's speed loses little, a step bound by the work on the
 //                          core takes up to twice as long
@@ -163,11 +165,15 @@ int main(int argc, char** argv) {
     if (RingLike(n, SignedShifts(n, gr.shifts))) continue;  // the plan is for the other graphs
     cases.push_back({gr.name + "_own_row_only", 5, [&, gr] { CutPlan(x, m, g, n, d, gr, 0); }});
     cases.push_back({gr.name + "_mixing_only", 1, [&, gr] { CutPlan(x, m, g, n, d, gr, 1); }});
+    for (int64_t block : {1024, 2048, 8192})  // the step with other blocks than AutoBlock's
+      cases.push_back({gr.name + "_block_" + std::to_string(block), 5, [&, gr, block] {
+                         CirculantStep(x, m, g, x, m, n, d, gr.shifts, gr.weights, gr.self_weight, block, kLr, kBeta);
+                       }});
   }
 
   const size_t two_threads = cases.size();
   for (size_t k = 0; k < two_threads; ++k) {
-    if (cases[k].name.find("_only") != std::string::npos) continue;
+    if (cases[k].name.find("_only") != std::string::npos || cases[k].name.find("_block_") != std::string::npos) continue;
     cases.push_back({cases[k].name + "_one_thread", cases[k].passes, [run = cases[k].run] {
                        const int threads = omp_get_max_threads();
                        omp_set_num_threads(1);

@@ -5,7 +5,8 @@ the step timed is the one ``gj.gossip_sgd_step`` runs) and times, outside JAX, i
 the in-place copy, the no-mixing update, the library's step on the ring and the exponential
 graph, and for the exponential graph two schedules cut down from the kernel's own plan: each
 output reading only its own row back from scratch (the cost of sending every row through
-scratch and writing it later), and the mixing alone (its cache reads, no local steps).
+scratch and writing it later), the mixing alone (its cache reads, no local steps), and the
+library's step with other column blocks than the one it picks (1,024, 2,048 and 8,192 columns).
 The copy, the no-mixing update and each graph's step run again on one thread: what one core
 can do on its own tells a step bound by memory from one bound by the work on the core.
 Each step is first checked against a double-precision reference.
