@@ -5,7 +5,8 @@
 //
 //   copy                   x *= 1 in place, one OpenMP loop: the reference bandwidth (two passes)
 //   no_mixing              m = beta m + g; x -= lr m, one OpenMP loop: the same five passes, no mixing
-//   <graph>                CirculantStep, the library's step (ring: one register pass; others: the plan)
+//   <graph>                CirculantStep, the library's step (shifts -s, 0, +s: one register pass along each
+//                          cycle of stride s, as on the ring; others: the plan)
 //   <graph>_own_row_only   the plan's rows, blocks and output times, but each output reads only its own
 //                          row's y back from scratch: the least a schedule that sends every row through
 //                          scratch and writes it later can cost

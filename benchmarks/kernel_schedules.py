@@ -2,8 +2,9 @@
 
 Compiles ``kernel_schedules.cc`` (which includes ``gossipjax/_native/circulant_dmsgd.cc`` whole, so
 the step timed is the one ``gj.gossip_sgd_step`` runs) and times, outside JAX, in one run:
-the in-place copy, the no-mixing update, the library's step on the ring and the exponential
-graph, and for the exponential graph two schedules cut down from the kernel's own plan: each
+the in-place copy, the no-mixing update, the library's step on the ring, the exponential
+graph and two steps of the one-peer exponential graph (shifts 2 and n/2: the rows form rings along
+cycles of stride 2, and pairs), and for the exponential graph two schedules cut down from the kernel's own plan: each
 output reading only its own row back from scratch (the cost of sending every row through
 scratch and writing it later), the mixing alone (its cache reads, no local steps), and the
 library's step with other column blocks than the one it picks (1,024, 2,048 and 8,192 columns).
@@ -34,8 +35,8 @@ from gossipjax._src.fused import _circulant
 SOURCE = pathlib.Path(__file__).with_name("kernel_schedules.cc")
 
 
-def _graph_args(topology) -> list[str]:
-  shifts, weights, self_weight = _circulant(topology.plans()[0])
+def _graph_args(topology, step: int = 0) -> list[str]:
+  shifts, weights, self_weight = _circulant(topology.plans()[step])
   return [",".join(map(str, shifts)), ",".join(repr(w) for w in weights), repr(self_weight)]
 
 
@@ -57,6 +58,8 @@ def run(quick: bool = False) -> dict:
   if cxx is None:
     return {"skipped": "no C++ compiler found (set CXX, or install g++)"}
   graphs = {"ring": gj.topology.ring(n), "exponential": gj.topology.exponential(n)}
+  one_peer = gj.topology.one_peer_exponential(n)  # W(k) = (I + P^(2^k)) / 2: rings along cycles of stride 2^k
+  rounds = {f"one_peer_shift_{2**k}": k for k in (1, one_peer.period - 1)}
   with tempfile.TemporaryDirectory() as tmp:
     exe = pathlib.Path(tmp) / "kernel_schedules"
     flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17", f"-I{jax.ffi.include_dir()}"]
@@ -66,6 +69,8 @@ def run(quick: bool = False) -> dict:
     args = [str(n), str(d), str(reps)]
     for name, topology in graphs.items():
       args += [name, *_graph_args(topology)]
+    for name, k in rounds.items():
+      args += [name, *_graph_args(one_peer, k)]
     proc = subprocess.run([str(exe), *args], capture_output=True, text=True, check=True)
     # Each in-cache step takes d_cached / d of the full one: more rounds for as steady a median.
     cached = [str(n), str(d_cached), str(reps * 8), "exponential", *_graph_args(graphs["exponential"])]

@@ -76,8 +76,27 @@ def test_native_step_writes_in_place_when_donated():
   np.testing.assert_allclose(x, 0.9)  # W (1 - 0.1 * 1) on a consensus
 
 
-@pytest.mark.parametrize("topology", [gj.topology.torus(2, 4), gj.topology.one_peer_exponential(N),
-                                      gj.topology.random_pairs(N, seed=3)], ids=lambda t: t.name)
+@pytest.mark.parametrize("topology", [gj.topology.one_peer_exponential(N), gj.topology.one_peer_exponential(12),
+                                      gj.topology.one_peer_directed_exponential(N)], ids=lambda t: t.name)
+def test_native_step_on_time_varying_circulant_graphs(topology):
+  """The step count picks W(k) inside the kernel: over two periods it walks the same W(k) as gj.gossip_sgd."""
+  n = topology.num_nodes
+  step = gj.gossip_sgd_step(topology, beta=0.9, learning_rate=0.1, native=True)
+  tx = gj.gossip_sgd(topology, beta=0.9, learning_rate=0.1)
+  x = xr = jax.random.normal(jax.random.key(n), (n, 6), jnp.float32)
+  state, tstate = step.init(x), tx.init(xr)
+  f = jax.jit(step, donate_argnums=(0, 1))
+  for k in range(2 * topology.period + 1):
+    g = _grads(xr, k)
+    updates, tstate = tx.update(g, tstate, xr)
+    xr = optax.apply_updates(xr, updates)
+    x, state = f(x, state, g)
+    np.testing.assert_allclose(x, xr, rtol=1e-5, atol=1e-6, err_msg=f"step {k}")
+  assert f._cache_size() == 1
+
+
+@pytest.mark.parametrize("topology", [gj.topology.torus(2, 4), gj.topology.random_pairs(N, seed=3)],
+                         ids=lambda t: t.name)
 def test_other_graphs_run_the_jax_step(topology):
   step, x, xr, _ = _run_both(topology, steps=6)
   assert not step.native_status().available
@@ -95,7 +114,7 @@ def test_float64_and_dpsgd_run_the_jax_step():
 def test_native_true_says_why_it_cannot():
   step = gj.gossip_sgd_step(gj.topology.torus(2, 4), native=True)
   x = _params()
-  with pytest.raises(RuntimeError, match="not a static circulant graph"):
+  with pytest.raises(RuntimeError, match="not a circulant graph"):
     step(x, step.init(x), x)
 
 
@@ -136,15 +155,31 @@ def test_native_step_on_two_nodes_and_a_vector_leaf():
   np.testing.assert_allclose(state.momentum, g)
 
 
+def _stride_ring(n, s, both=True):
+  """W(0) = 1/2 I + 0.3 P^s + 0.2 P^-s, or 0.7 I + 0.3 P^s with both=False: rings along the cycles of i -> i + s.
+
+  Such a W is disconnected when s and n share a factor (it is a round of a time-varying graph, as in the
+  one-peer exponential graph), so W(1) is the ring, which connects the nodes over the period.
+  """
+  eye = np.eye(n)
+  p, q = np.roll(eye, s, axis=1), np.roll(eye, -s, axis=1)
+  w = 0.5 * eye + 0.3 * p + 0.2 * q if both else 0.7 * eye + 0.3 * p
+  return gj.topology.Topology(np.stack([w, gj.topology.ring(n).matrix()]),
+                              name=f"stride_ring({n}, {s}{'' if both else ', one way'})")
+
+
 @pytest.mark.parametrize("topology", [
     gj.topology.ring(2), gj.topology.ring(3), gj.topology.ring(5), gj.topology.ring(7), gj.topology.ring(64),
     gj.topology.exponential(5),
     gj.topology.exponential(64), gj.topology.exponential(33, symmetric=True),
     gj.topology.directed_exponential(16), gj.topology.complete(12),
+    # rings along cycles of stride s (shifts -s, 0, +s): cycles of 4 rows, of 3, of 2 (s = n/2), of 5
+    _stride_ring(12, 3), _stride_ring(12, 4), _stride_ring(12, 6), _stride_ring(10, 4),
+    _stride_ring(9, 2, both=False), _stride_ring(64, 32, both=False), _stride_ring(64, -8, both=False),
 ], ids=lambda t: t.name)
 @pytest.mark.parametrize("block", [None, 3])
 def test_native_step_on_circulant_graphs_against_numpy(topology, block):
-  """Every circulant graph, any shift direction, more shifts than one pass takes (complete(12): 11)."""
+  """Every circulant graph, any shift direction, more shifts than one pass takes (complete(12): 11); W(0)."""
   n = topology.num_nodes
   step = gj.gossip_sgd_step(topology, beta=0.8, learning_rate=0.05, native=True, block=block)
   rng = np.random.default_rng(n)

@@ -79,6 +79,25 @@ def test_time_varying_topology_compiles_once(topology):
   assert not np.allclose(topology.matrix(0), topology.matrix(1))
 
 
+def test_native_step_on_a_time_varying_graph_compiles_once():
+  """gj.gossip_sgd_step's native kernel takes the step count as an input: one program for every W(k)."""
+  topology = gj.topology.one_peer_exponential(8)
+  step = gj.gossip_sgd_step(topology, native=True)
+  f = jax.jit(step, donate_argnums=(0, 1))
+  x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+  state = step.init(x)
+  with CompileCounter() as first:
+    x, state = f(x, state, jnp.ones_like(x))
+    jax.block_until_ready(x)
+  assert first.count >= 1
+  with CompileCounter() as later:
+    for _ in range(2 * topology.period + 1):
+      x, state = f(x, state, jnp.ones_like(x))
+    jax.block_until_ready(x)
+  assert later.count == 0 and f._cache_size() == 1
+  assert int(state.count) == 2 * topology.period + 2
+
+
 def test_compile_counter_sees_a_recompile():
   """The negative control: a step counter passed as a static Python int recompiles per value."""
   topo = gj.topology.one_peer_exponential(8)
@@ -133,11 +152,14 @@ def test_benchmark_suite_quick(tmp_path):
                    "--only", "optimizer_bandwidth", "kernel_schedules", "dmsgd_step", "memory", "compile_time", "scale",
                    "resnet20_gpu"])
   r = json.loads(out.read_text())["benchmarks"]
-  assert set(r["optimizer_bandwidth"]["fraction_of_copy_bandwidth"]) >= {"gossipjax_ring(8)", "hand_fused_ring"}
+  assert set(r["optimizer_bandwidth"]["fraction_of_copy_bandwidth"]) >= {
+      "gossipjax_ring(8)", "hand_fused_ring", "gossip_sgd_step_one_peer_exponential(8)"}
+  assert r["optimizer_bandwidth"]["gossip_sgd_step_native"]["one_peer_exponential(8)"] == "built and registered"
   assert all(v > 0 for v in r["optimizer_bandwidth"]["fraction_of_copy_bandwidth"].values())
   ks = r["kernel_schedules"]  # the native step, built outside JAX, checked against a float64 reference
-  assert set(ks["max_abs_error"]) == {"ring", "exponential"} and max(ks["max_abs_error"].values()) < 1e-5
-  two_threads = {"copy", "no_mixing", "ring", "exponential"}
+  graphs = {"ring", "exponential", "one_peer_shift_2", "one_peer_shift_4"}  # n = 8: the last round's shift is 4
+  assert set(ks["max_abs_error"]) == graphs and max(ks["max_abs_error"].values()) < 1e-5
+  two_threads = {"copy", "no_mixing"} | graphs
   blocks = {f"exponential_block_{b}" for b in (1024, 2048, 8192)}
   assert set(ks["cases"]) == two_threads | {"exponential_own_row_only", "exponential_mixing_only"} | blocks | {
       f"{c}_one_thread" for c in two_threads}

@@ -5,10 +5,12 @@
 // runs at memory speed only if every one of those passes is a long sequential stream and what
 // else the step does overlaps with them. So the columns are cut into blocks of `block` floats:
 //
-//   * Ring-like graphs (every source within one row: shifts -1, 0, +1) take one pass over the
-//     rows of a block, four at a time: their local steps stay in registers and the four output
-//     rows behind them are written in the same loop (RingBlock). Only two rows of y go through
-//     scratch. This runs as fast as the same update with no mixing at all.
+//   * Ring-like graphs (shifts -s, 0, +s for one s: the ring, and every round of the one-peer
+//     exponential graph) are rings along the cycles i, i + s, i + 2s, ... of the rows. Each cycle
+//     takes one pass over its rows in a block, four at a time: their local steps stay in registers
+//     and the four output rows behind them are written in the same loop (RingBlock). Only two rows
+//     of y go through scratch; a cycle of up to four rows keeps all of them in registers
+//     (CycleBlock). This runs about as fast as the same update with no mixing at all.
 //   * Other circulants stream the rows in an order that a plan fixes once per call (MakePlan):
 //     step t computes the local step of one row into a scratch slot, then writes every output
 //     row whose sources are all computed by now; rows start at n + s_min (the rows the first
@@ -21,12 +23,16 @@
 //     alone takes about 60% of the step's time from memory (`<case>_in_cache`), and the plan hides
 //     only about half of it under the memory streams.
 //
+// A time-varying circulant graph passes every round of its period; the step count, an input
+// buffer, picks the round, so one compiled program serves every step.
+//
 // XLA:CPU runs this step far below memory bandwidth (the mixing reads each row at several
 // offsets, recomputes the local step for each, and writes a fresh buffer that is then copied
 // into the donated params); benchmarks/optimizer_bandwidth.py times both. Built at first use by
 // gossipjax/_native.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -154,25 +160,26 @@ void Mix(float* out, const float* y0, float w0, const float* const* src, const f
 }
 
 
-// Rows [i, i + P) of a ring-like graph (sources i - 1, i, i + 1): their local steps are kept in
-// registers, and the P output rows [i - 1, i + P - 1) are written in the same pass. Only the two
-// rows before them come from scratch (ya, yb), and the last two go back to it (za, zb).
+// Positions [i, i + P) of a ring of rows (row[k] receives from row[k - 1], itself and row[k + 1]):
+// their local steps are kept in registers, and the P outputs at positions [i - 1, i + P - 1) are
+// written in the same pass. Only the two rows before them come from scratch (ya, yb), and the last
+// two go back to it (za, zb).
 template <int P>
-void RingRows(const float* xp, const float* mp, const float* gp, float* xo, float* mo, int64_t d, int64_t i,
-              int64_t c0, int64_t cw, float lr, float beta, float wm, float w0, float wp, const float* ya,
-              const float* yb, float* za, float* zb) {
+void RingRows(const float* xp, const float* mp, const float* gp, float* xo, float* mo, int64_t d,
+              const int64_t* row, int64_t i, int64_t c0, int64_t cw, float lr, float beta, float wm, float w0,
+              float wp, const float* ya, const float* yb, float* za, float* zb) {
   const float* xr[P];
   const float* mr[P];
   const float* gr[P];
   float* mw[P];
   float* out[P];
   for (int p = 0; p < P; ++p) {
-    const int64_t off = (i + p) * d + c0;
+    const int64_t off = row[i + p] * d + c0;
     xr[p] = xp + off;
     mr[p] = mp + off;
     gr[p] = gp + off;
     mw[p] = mo + off;
-    out[p] = xo + off - d;
+    out[p] = xo + row[i + p - 1] * d + c0;
   }
 #pragma omp simd
   for (int64_t j = 0; j < cw; ++j) {
@@ -200,41 +207,71 @@ void LocalRow(const float* x, const float* m, const float* g, float* mo, float* 
   }
 }
 
-// One column block of a ring-like graph (n >= 3), in one pass over the rows: y_{n-1} and y_0 go
-// to scratch first (outputs 0, n-2 and n-1 read them across the wrap-around), then rows
-// 1 .. n-2 four at a time, then the outputs n-2 and n-1 from scratch.
-void RingBlock(const float* xp, const float* mp, const float* gp, float* xo, float* mo, int64_t n, int64_t d,
-               int64_t c0, int64_t cw, float lr, float beta, float wm, float w0, float wp, float* scratch,
-               int64_t stride) {
+// One column block of a ring of L >= 3 rows (row[0 .. L-1]), in one pass over them: the last row's
+// y and the first's go to scratch first (outputs 0, L-2 and L-1 read them across the wrap-around),
+// then positions 1 .. L-2 four at a time, then the outputs L-2 and L-1 from scratch.
+void RingBlock(const float* xp, const float* mp, const float* gp, float* xo, float* mo, const int64_t* row,
+               int64_t n, int64_t d, int64_t c0, int64_t cw, float lr, float beta, float wm, float w0, float wp,
+               float* scratch, int64_t stride) {
   constexpr int kRows = 4;
-  float* last = scratch;            // y_{n-1}
-  float* first = last + stride;     // y_0
+  float* last = scratch;            // y of row[n-1]
+  float* first = last + stride;     // y of row[0]
   float* ya = first + stride;       // the two most recent rows
   float* yb = ya + stride;
-  const int64_t lo = (n - 1) * d + c0;
+  const int64_t lo = row[n - 1] * d + c0, fo = row[0] * d + c0;
   LocalRow(xp + lo, mp + lo, gp + lo, mo + lo, last, cw, lr, beta);
-  LocalRow(xp + c0, mp + c0, gp + c0, mo + c0, first, cw, lr, beta);
+  LocalRow(xp + fo, mp + fo, gp + fo, mo + fo, first, cw, lr, beta);
   const float* ra = last;
   const float* rb = first;
   for (int64_t i = 1; i < n - 1;) {
     const int64_t rows = std::min<int64_t>(kRows, n - 1 - i);
     switch (rows) {
-      case 1: RingRows<1>(xp, mp, gp, xo, mo, d, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
-      case 2: RingRows<2>(xp, mp, gp, xo, mo, d, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
-      case 3: RingRows<3>(xp, mp, gp, xo, mo, d, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
-      default: RingRows<kRows>(xp, mp, gp, xo, mo, d, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
+      case 1: RingRows<1>(xp, mp, gp, xo, mo, d, row, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
+      case 2: RingRows<2>(xp, mp, gp, xo, mo, d, row, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
+      case 3: RingRows<3>(xp, mp, gp, xo, mo, d, row, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
+      default: RingRows<kRows>(xp, mp, gp, xo, mo, d, row, i, c0, cw, lr, beta, wm, w0, wp, ra, rb, ya, yb); break;
     }
     ra = ya;
     rb = yb;
     i += rows;
   }
-  // Now ra = y_{n-3} and rb = y_{n-2}.
-  float* o2 = xo + (n - 2) * d + c0;
-  float* o1 = xo + (n - 1) * d + c0;
+  // Now ra = y of row[n-3] and rb = y of row[n-2].
+  float* o2 = xo + row[n - 2] * d + c0;
+  float* o1 = xo + row[n - 1] * d + c0;
 #pragma omp simd
   for (int64_t j = 0; j < cw; ++j) {
     o2[j] = wm * ra[j] + w0 * rb[j] + wp * last[j];
     o1[j] = wm * rb[j] + w0 * last[j] + wp * first[j];
+  }
+}
+
+// One column block of a short ring of L rows (row[0 .. L-1]), all of them at once: every local step
+// stays in registers and no row goes through scratch. For L = 2 both neighbours are the same row.
+template <int L>
+void CycleBlock(const float* xp, const float* mp, const float* gp, float* xo, float* mo, const int64_t* row,
+                int64_t d, int64_t c0, int64_t cw, float lr, float beta, float wm, float w0, float wp) {
+  const float* xr[L];
+  const float* mr[L];
+  const float* gr[L];
+  float* mw[L];
+  float* out[L];
+  for (int p = 0; p < L; ++p) {
+    const int64_t off = row[p] * d + c0;
+    xr[p] = xp + off;
+    mr[p] = mp + off;
+    gr[p] = gp + off;
+    mw[p] = mo + off;
+    out[p] = xo + off;
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < cw; ++j) {
+    float y[L];
+    for (int p = 0; p < L; ++p) {
+      const float mm = beta * mr[p][j] + gr[p][j];
+      mw[p][j] = mm;
+      y[p] = xr[p][j] - lr * mm;
+    }
+    for (int p = 0; p < L; ++p) out[p][j] = wm * y[(p + L - 1) % L] + w0 * y[p] + wp * y[(p + 1) % L];
   }
 }
 
@@ -248,10 +285,21 @@ std::vector<int64_t> SignedShifts(int64_t n, const std::vector<int64_t>& shifts)
   return shift;
 }
 
-// Every source within one row (shifts -1, 0, +1): the one-pass ring kernel applies.
-bool RingLike(int64_t n, const std::vector<int64_t>& shift) {
-  return n >= 3 && std::all_of(shift.begin(), shift.end(), [](int64_t s) { return s >= -1 && s <= 1; });
+// The stride s when every nonzero shift is -s or +s (signed shifts), so that the rows form rings
+// along the cycles i, i + s, i + 2s, ... and the one-pass ring kernel applies; 0 otherwise.
+int64_t RingStride(int64_t n, const std::vector<int64_t>& shift) {
+  int64_t s = 0;
+  for (int64_t k : shift) {
+    if (k == 0) continue;
+    if (s != 0 && std::abs(k) != s) return 0;
+    s = std::abs(k);
+  }
+  return n >= 2 ? std::max<int64_t>(s, 1) : 0;  // only self weights: any stride will do
 }
+
+bool RingLike(int64_t n, const std::vector<int64_t>& shift) { return RingStride(n, shift) != 0; }
+
+int64_t Gcd(int64_t a, int64_t b) { return b == 0 ? a : Gcd(b, a % b); }
 
 // The plan's block when none is given: its live slots fill about kScratchBytes.
 int64_t AutoBlock(const Plan& plan) {
@@ -267,9 +315,14 @@ void CirculantStep(const float* xp, const float* mp, const float* gp, float* xo,
                    int64_t block, float lr, float beta) {
   const int K = static_cast<int>(shifts.size());
   const std::vector<int64_t> shift = SignedShifts(n, shifts);
-  if (RingLike(n, shift)) {
+  if (const int64_t s = RingStride(n, shift)) {
     float wm = 0.0f, w0 = self_weight, wp = 0.0f;
     for (int k = 0; k < K; ++k) (shift[k] < 0 ? wm : shift[k] > 0 ? wp : w0) += weight[k];
+    // The rows' cycles under i -> i + s: `cycles` of `len` rows each, in ring order.
+    const int64_t cycles = Gcd(n, s), len = n / cycles;
+    std::vector<int64_t> row(static_cast<size_t>(n));
+    for (int64_t c = 0; c < cycles; ++c)
+      for (int64_t k = 0; k < len; ++k) row[c * len + k] = (c + k * s) % n;
     if (block == 0) block = kMaxBlock;
     block = std::min(block, d);
     const int64_t num_blocks = (d + block - 1) / block;
@@ -278,8 +331,16 @@ void CirculantStep(const float* xp, const float* mp, const float* gp, float* xo,
       std::vector<float> scratch(static_cast<size_t>(4 * block));
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t c0 = b * block;
-        RingBlock(xp, mp, gp, xo, mo, n, d, c0, std::min(block, d - c0), lr, beta, wm, w0, wp, scratch.data(), block);
+        const int64_t c0 = b * block, cw = std::min(block, d - c0);
+        for (int64_t c = 0; c < cycles; ++c) {
+          const int64_t* r = row.data() + c * len;
+          switch (len) {  // s < n, so len >= 2; 8 rows at once ran slower than RingBlock (too many streams)
+            case 2: CycleBlock<2>(xp, mp, gp, xo, mo, r, d, c0, cw, lr, beta, wm, w0, wp); break;
+            case 3: CycleBlock<3>(xp, mp, gp, xo, mo, r, d, c0, cw, lr, beta, wm, w0, wp); break;
+            case 4: CycleBlock<4>(xp, mp, gp, xo, mo, r, d, c0, cw, lr, beta, wm, w0, wp); break;
+            default: RingBlock(xp, mp, gp, xo, mo, r, len, d, c0, cw, lr, beta, wm, w0, wp, scratch.data(), block);
+          }
+        }
       }
     }
     return;
@@ -314,15 +375,25 @@ void CirculantStep(const float* xp, const float* mp, const float* gp, float* xo,
 
 }  // namespace
 
+// Rounds r = 0 .. R-1 of a period: round r has num_shifts[r] shifts (consecutive in shifts and
+// weights) and self_weights[r]; the step count picks round count mod R.
 static ffi::Error CirculantDmsgd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> g,
-                                 ffi::Buffer<ffi::F32> hyper, ffi::Span<const int64_t> shifts,
-                                 ffi::Span<const float> weights, float self_weight, int64_t block,
-                                 ffi::ResultBuffer<ffi::F32> x_out, ffi::ResultBuffer<ffi::F32> m_out) {
+                                 ffi::Buffer<ffi::F32> hyper, ffi::Buffer<ffi::S32> count,
+                                 ffi::Span<const int64_t> shifts, ffi::Span<const float> weights,
+                                 ffi::Span<const int64_t> num_shifts, ffi::Span<const float> self_weights,
+                                 int64_t block, ffi::ResultBuffer<ffi::F32> x_out, ffi::ResultBuffer<ffi::F32> m_out) {
   if (x.dimensions().size() < 1) return ffi::Error::InvalidArgument("params need a leading node axis");
   if (m.element_count() != x.element_count() || g.element_count() != x.element_count())
     return ffi::Error::InvalidArgument("params, momentum and grads differ in size");
   if (hyper.element_count() != 2) return ffi::Error::InvalidArgument("hyper must be [learning_rate, beta]");
+  if (count.element_count() != 1) return ffi::Error::InvalidArgument("count must be a scalar");
   if (shifts.size() != weights.size()) return ffi::Error::InvalidArgument("one weight per shift");
+  const int64_t rounds = static_cast<int64_t>(self_weights.size());
+  if (rounds < 1 || static_cast<int64_t>(num_shifts.size()) != rounds)
+    return ffi::Error::InvalidArgument("one count of shifts and one self weight per round, at least one round");
+  int64_t total = 0;
+  for (int64_t k : num_shifts) total += k;
+  if (total != static_cast<int64_t>(shifts.size())) return ffi::Error::InvalidArgument("shifts do not add up");
   if (block < 0) return ffi::Error::InvalidArgument("block must be positive (or 0: chosen from the graph)");
   const int64_t n = x.dimensions()[0];
   if (n == 0 || x.element_count() == 0) return ffi::Error::Success();
@@ -333,8 +404,12 @@ static ffi::Error CirculantDmsgd(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> 
   const float* gp = g.typed_data();
   float* xo = x_out->typed_data();
   float* mo = m_out->typed_data();
-  CirculantStep(xp, mp, gp, xo, mo, n, d, std::vector<int64_t>(shifts.begin(), shifts.end()),
-                std::vector<float>(weights.begin(), weights.end()), self_weight, block, lr, beta);
+  const int64_t r = ((static_cast<int64_t>(count.typed_data()[0]) % rounds) + rounds) % rounds;
+  int64_t first = 0;
+  for (int64_t k = 0; k < r; ++k) first += num_shifts[k];
+  const int64_t last = first + num_shifts[r];
+  CirculantStep(xp, mp, gp, xo, mo, n, d, std::vector<int64_t>(shifts.begin() + first, shifts.begin() + last),
+                std::vector<float>(weights.begin() + first, weights.begin() + last), self_weights[r], block, lr, beta);
   return ffi::Error::Success();
 }
 
@@ -344,9 +419,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GossipjaxCirculantDmsgd, CirculantDmsgd,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // m
                                   .Arg<ffi::Buffer<ffi::F32>>()  // g
                                   .Arg<ffi::Buffer<ffi::F32>>()  // [learning_rate, beta]
-                                  .Attr<ffi::Span<const int64_t>>("shifts")
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // the step count: picks the round
+                                  .Attr<ffi::Span<const int64_t>>("shifts")  // every round's, in order
                                   .Attr<ffi::Span<const float>>("weights")
-                                  .Attr<float>("self_weight")
+                                  .Attr<ffi::Span<const int64_t>>("num_shifts")  // per round
+                                  .Attr<ffi::Span<const float>>("self_weights")  // per round
                                   .Attr<int64_t>("block")  // columns per block; 0: chosen from the graph
                                   .Ret<ffi::Buffer<ffi::F32>>()  // x, aliased to the input
                                   .Ret<ffi::Buffer<ffi::F32>>());  // m, aliased to the input

@@ -48,9 +48,14 @@ class GossipSGDStep:
       return _native.NativeStatus(False, "native=False")
     if jax.default_backend() != "cpu":
       return _native.NativeStatus(False, f"the native kernel is for the CPU (default backend: {jax.default_backend()})")
-    if self.mixer.topology.period != 1 or _circulant(self.mixer.topology.plans()[0]) is None:
-      return _native.NativeStatus(False, f"{self.mixer.topology.name} is not a static circulant graph")
+    if self._rounds() is None:
+      return _native.NativeStatus(False, f"{self.mixer.topology.name} is not a circulant graph")
     return _native.load()
+
+  def _rounds(self) -> list[tuple[list[int], list[float], float]] | None:
+    """Every step of the period as (shifts, weights, self weight), or None if one is not circulant."""
+    rounds = [_circulant(plan) for plan in self.mixer.topology.plans()]
+    return None if any(r is None for r in rounds) else rounds
 
   def init(self, params: Any) -> GossipSGDStepState:
     check_node_axis(params, self.num_nodes, self.mixer.topology.name)
@@ -68,7 +73,7 @@ class GossipSGDStep:
     out_x, out_m, rest = [None] * len(leaves), [None] * len(leaves), []
     for i, (x, m, g) in enumerate(zip(leaves, m_leaves, g_leaves)):
       if status.available and x.dtype == jnp.float32 and x.size:
-        out_x[i], out_m[i] = self._native_leaf(x, m, g, lr)
+        out_x[i], out_m[i] = self._native_leaf(x, m, g, lr, state.count)
       else:
         rest.append(i)
     if rest:  # the same step in JAX: other dtypes, other graphs, other devices
@@ -79,17 +84,19 @@ class GossipSGDStep:
         out_x[i], out_m[i] = xi, mi.astype(leaves[i].dtype)
     return treedef.unflatten(out_x), GossipSGDStepState(state.count + 1, treedef.unflatten(out_m))
 
-  def _native_leaf(self, x, m, g, lr):
-    shifts, weights, self_weight = _circulant(self.mixer.topology.plans()[0])
+  def _native_leaf(self, x, m, g, lr, count):
+    rounds = self._rounds()  # the kernel picks round count mod period: no recompile per step
     call = jax.ffi.ffi_call(
         _native.TARGET,
         (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(m.shape, m.dtype)),
         input_output_aliases={0: 0, 1: 1},
     )
     hyper = jnp.stack([jnp.asarray(lr, jnp.float32), jnp.asarray(self.beta, jnp.float32)])
-    return call(x, m.astype(jnp.float32), g.astype(jnp.float32), hyper, shifts=np.asarray(shifts, np.int64),
-                weights=np.asarray(weights, np.float32), self_weight=np.float32(self_weight),
-                block=np.int64(self.block or 0))
+    return call(x, m.astype(jnp.float32), g.astype(jnp.float32), hyper, jnp.asarray(count, jnp.int32),
+                shifts=np.asarray([s for r in rounds for s in r[0]], np.int64),
+                weights=np.asarray([w for r in rounds for w in r[1]], np.float32),
+                num_shifts=np.asarray([len(r[0]) for r in rounds], np.int64),
+                self_weights=np.asarray([r[2] for r in rounds], np.float32), block=np.int64(self.block or 0))
 
 
 def gossip_sgd_step(
@@ -109,13 +116,14 @@ def gossip_sgd_step(
     m_i \leftarrow \beta m_i + g_i, \qquad x_i \leftarrow \sum_j w_{ij} (x_j - \gamma m_j),
 
   written as one call so that the simulation of many nodes on a CPU runs at memory speed.
-  For float32 leaves on the CPU and a static circulant graph (ring, exponential, any graph
-  whose W is uniform cyclic shifts), it runs a native kernel (``gossipjax/_native``, built with
+  For float32 leaves on the CPU and a circulant graph (ring, exponential, any graph whose W
+  is uniform cyclic shifts; time-varying ones too, such as the one-peer exponential graph,
+  whose step count picks W(k) inside the kernel), it runs a native kernel (``gossipjax/_native``, built with
   the system C++ compiler at first use): it reads params, momentum and grads once and writes
   params and momentum once, in place when the step is jitted with ``donate_argnums=(0, 1)``.
   XLA's own version of this step (and ``gj.gossip_sgd``'s) mixes through a fresh buffer and
   copies it back; ``benchmarks/optimizer_bandwidth.py`` times both. Everything else (other
-  dtypes, non-circulant or time-varying graphs, GPUs, no compiler) runs the same step in JAX.
+  dtypes, non-circulant graphs, GPUs, no compiler) runs the same step in JAX.
 
   Args:
     topology: doubly stochastic mixing (``gj.topology.*``, a matrix or a networkx graph).
@@ -124,7 +132,8 @@ def gossip_sgd_step(
     native: ``None`` uses the native kernel where it applies; ``True`` raises if it cannot;
       ``False`` always runs the JAX version.
     block: columns per cache block of the native kernel. ``None`` picks it from the graph:
-      16,384 on a ring; on other graphs, enough that the rows the kernel keeps in scratch
+      16,384 on a ring (or any graph with shifts -s, 0, +s only, such as each step of the
+      one-peer exponential graph); on other graphs, enough that the rows the kernel keeps in scratch
       (up to n) fill about 1 MiB of cache, between 256 and 16,384 columns.
 
   Example:
