@@ -160,6 +160,22 @@ void Mix(float* out, const float* y0, float w0, const float* const* src, const f
 }
 
 
+// Pointers into column c0 of P rows: x, m, g and the momentum written at rows in[p], the output
+// at rows out_row[p].
+template <int P>
+void RowPointers(const float* xp, const float* mp, const float* gp, float* xo, float* mo, int64_t d, int64_t c0,
+                 const int64_t* in, const int64_t* out_row, const float** xr, const float** mr, const float** gr,
+                 float** mw, float** out) {
+  for (int p = 0; p < P; ++p) {
+    const int64_t off = in[p] * d + c0;
+    xr[p] = xp + off;
+    mr[p] = mp + off;
+    gr[p] = gp + off;
+    mw[p] = mo + off;
+    out[p] = xo + out_row[p] * d + c0;
+  }
+}
+
 // Positions [i, i + P) of a ring of rows (row[k] receives from row[k - 1], itself and row[k + 1]):
 // their local steps are kept in registers, and the P outputs at positions [i - 1, i + P - 1) are
 // written in the same pass. Only the two rows before them come from scratch (ya, yb), and the last
@@ -173,14 +189,7 @@ void RingRows(const float* xp, const float* mp, const float* gp, float* xo, floa
   const float* gr[P];
   float* mw[P];
   float* out[P];
-  for (int p = 0; p < P; ++p) {
-    const int64_t off = row[i + p] * d + c0;
-    xr[p] = xp + off;
-    mr[p] = mp + off;
-    gr[p] = gp + off;
-    mw[p] = mo + off;
-    out[p] = xo + row[i + p - 1] * d + c0;
-  }
+  RowPointers<P>(xp, mp, gp, xo, mo, d, c0, row + i, row + i - 1, xr, mr, gr, mw, out);
 #pragma omp simd
   for (int64_t j = 0; j < cw; ++j) {
     float y[P + 2];
@@ -255,14 +264,7 @@ void CycleBlock(const float* xp, const float* mp, const float* gp, float* xo, fl
   const float* gr[L];
   float* mw[L];
   float* out[L];
-  for (int p = 0; p < L; ++p) {
-    const int64_t off = row[p] * d + c0;
-    xr[p] = xp + off;
-    mr[p] = mp + off;
-    gr[p] = gp + off;
-    mw[p] = mo + off;
-    out[p] = xo + off;
-  }
+  RowPointers<L>(xp, mp, gp, xo, mo, d, c0, row, row, xr, mr, gr, mw, out);
 #pragma omp simd
   for (int64_t j = 0; j < cw; ++j) {
     float y[L];
