@@ -13,6 +13,20 @@ import jax
 import jax.numpy as jnp
 
 
+def wait_until_quiet(window: float = 0.005, busy: float = 0.1, timeout: float = 2.0) -> float:
+  """Waits until this process's threads use under ``busy`` of one core over ``window`` seconds.
+
+  Returns the seconds waited (at most about ``timeout``, after which it gives up quietly).
+  """
+  start = time.perf_counter()
+  while time.perf_counter() - start < timeout:
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(window)
+    if time.process_time() - cpu < busy * (time.perf_counter() - wall):
+      break
+  return time.perf_counter() - start
+
+
 def interleaved(steps: dict[str, Callable[[], object]], reps: int, warmup: int = 1,
                 settle: float = 0.02) -> dict[str, float]:
   """Median seconds per call of each step, calling them in turn ``reps`` times.
@@ -20,8 +34,13 @@ def interleaved(steps: dict[str, Callable[[], object]], reps: int, warmup: int =
   Each step is a stateful closure that runs one call to completion (it blocks) and keeps
   its own (donated) buffers. Interleaving means a burst of load from other processes hits
   every contender alike, so the ratios hold even where the absolute times wander. The
-  order rotates every repetition, and a short untimed pause before each call lets the
-  previous contender's worker threads (OpenMP spins after a torch call) go idle.
+  order rotates every repetition. Before each call this process must go quiet (see
+  `wait_until_quiet`: a call can return while its runtime still works on another thread for
+  longer than the pause; after the optax step on the one-peer exponential graph, one of the
+  runtime's threads stayed busy for 30-45 ms and slowed whatever ran next), then a
+  short untimed pause lets the previous contender's worker threads (OpenMP spins after a
+  torch call) go idle. That leftover work is left out of every contender's time, so the
+  contender that caused it gets the benefit, not the next one the cost.
   """
   for _ in range(warmup):
     for step in steps.values():
@@ -31,6 +50,7 @@ def interleaved(steps: dict[str, Callable[[], object]], reps: int, warmup: int =
   for rep in range(reps):
     for name in names[rep % len(names):] + names[:rep % len(names)]:
       step = steps[name]
+      wait_until_quiet()
       time.sleep(settle)
       t0 = time.perf_counter()
       step()

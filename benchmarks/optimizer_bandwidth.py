@@ -71,7 +71,7 @@ def dense_update(w: np.ndarray):
 
 
 def run(quick: bool = False) -> dict:
-  n, d, reps = (8, 1 << 14, 3) if quick else (64, 1 << 20, 9)
+  n, d, reps = (8, 1 << 14, 3) if quick else (64, 1 << 20, 15)
   key = jax.random.key(0)
   g = jax.random.normal(key, (n, d), jnp.float32)
   x0 = jax.random.normal(jax.random.fold_in(key, 1), (n, d), jnp.float32)
