@@ -28,7 +28,7 @@ def wait_until_quiet(window: float = 0.005, busy: float = 0.1, timeout: float = 
 
 
 def interleaved(steps: dict[str, Callable[[], object]], reps: int, warmup: int = 1,
-                settle: float = 0.02) -> dict[str, float]:
+                settle: float = 0.02, quiet_timeout: float = 2.0) -> dict[str, float]:
   """Median seconds per call of each step, calling them in turn ``reps`` times.
 
   Each step is a stateful closure that runs one call to completion (it blocks) and keeps
@@ -40,17 +40,21 @@ def interleaved(steps: dict[str, Callable[[], object]], reps: int, warmup: int =
   runtime's threads stayed busy for 30-45 ms and slowed whatever ran next), then a
   short untimed pause lets the previous contender's worker threads (OpenMP spins after a
   torch call) go idle. That leftover work is left out of every contender's time, so the
-  contender that caused it gets the benefit, not the next one the cost.
+  contender that caused it gets the benefit, not the next one the cost. A process that is
+  never quiet (a runtime thread that polls all the time) would pay ``quiet_timeout`` per
+  call: after one wait that long, the rest of the run only pauses.
   """
   for _ in range(warmup):
     for step in steps.values():
       step()
   names = list(steps)
   times: dict[str, list[float]] = {name: [] for name in steps}
+  wait = True
   for rep in range(reps):
     for name in names[rep % len(names):] + names[:rep % len(names)]:
       step = steps[name]
-      wait_until_quiet()
+      if wait and wait_until_quiet(timeout=quiet_timeout) >= quiet_timeout:
+        wait = False
       time.sleep(settle)
       t0 = time.perf_counter()
       step()

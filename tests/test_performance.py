@@ -166,6 +166,28 @@ def test_timing_waits_for_work_left_on_another_thread():
   assert _timing.wait_until_quiet() < 0.2  # an idle process goes on at once
 
 
+def test_timing_stops_waiting_for_a_process_that_is_never_quiet():
+  stop = threading.Event()
+
+  def spin():
+    while not stop.is_set():
+      pass
+
+  worker = threading.Thread(target=spin)
+  worker.start()
+  try:
+    calls = []
+    start = time.perf_counter()
+    times = _timing.interleaved({"a": lambda: calls.append(1), "b": lambda: calls.append(2)}, reps=20, warmup=0,
+                                settle=0.0, quiet_timeout=0.1)
+    elapsed = time.perf_counter() - start
+  finally:
+    stop.set()
+    worker.join()
+  assert len(calls) == 40 and set(times) == {"a", "b"}
+  assert 0.1 <= elapsed < 2.0  # one wait of 0.1 s, not forty
+
+
 def test_benchmark_suite_quick(tmp_path):
   out = tmp_path / "results.json"
   bench_main.main(["--quick", "--no-torch", "--json", str(out),
