@@ -5,6 +5,9 @@
 //
 //   copy                   x *= 1 in place, one OpenMP loop: the reference bandwidth (two passes)
 //   no_mixing              m = beta m + g; x -= lr m, one OpenMP loop: the same five passes, no mixing
+//   read_one, read_three   a sum over x (over x, m and g): reads alone, no writes. On this machine the
+//                          writes back of an in-place loop ride along with its reads (read_three takes as
+//                          long as no_mixing, read_one as long as the copy), so a step's floor is its reads
 //   <graph>                CirculantStep, the library's step (shifts -s, 0, +s: one register pass along each
 //                          cycle of stride s, as on the ring; others: the plan)
 //   <graph>_own_row_only   the plan's rows, blocks and output times, but each output reads only its own
@@ -40,6 +43,7 @@ namespace {
 
 constexpr float kLr = 0.05f, kBeta = 0.9f;
 volatile float copy_scale = 1.0f;  // read at run time, so the compiler cannot drop the copy's multiply
+volatile float read_sink;          // written, so the compiler cannot drop the reads
 
 struct Graph {
   std::string name;
@@ -111,6 +115,31 @@ void CutPlan(float* x, float* m, const float* g, int64_t n, int64_t d, const Gra
   }
 }
 
+// A sum over a (or over a + b * c), kept: reads alone, with 64 independent sums per thread so that
+// neither the adds' latency nor the compiler's strict float order hides the memory's speed.
+void ReadSum(const float* a, const float* b, const float* c, int64_t len) {
+  constexpr int64_t kLanes = 64;
+  float total = 0.0f;
+#pragma omp parallel reduction(+ : total)
+  {
+    float acc[kLanes] = {};
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < len / kLanes; ++i) {
+      const int64_t o = i * kLanes;
+      if (b == nullptr) {
+#pragma omp simd
+        for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[o + j];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[o + j] + b[o + j] * c[o + j];
+      }
+    }
+    for (float v : acc) total += v;
+  }
+  for (int64_t i = len / kLanes * kLanes; i < len; ++i) total += b == nullptr ? a[i] : a[i] + b[i] * c[i];
+  read_sink = total;
+}
+
 double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 }  // namespace
@@ -151,6 +180,9 @@ int main(int argc, char** argv) {
 #pragma omp parallel for schedule(static)
                      for (int64_t i = 0; i < n * d; ++i) x[i] *= c;
                    }});
+  // Reads alone: this machine reads and writes back at once, so a step's floor can be its reads.
+  cases.push_back({"read_one", 1, [&] { ReadSum(x, nullptr, nullptr, n * d); }});
+  cases.push_back({"read_three", 3, [&] { ReadSum(x, m, g, n * d); }});  // what every DmSGD step must read
   cases.push_back({"no_mixing", 5, [&] {
 #pragma omp parallel for schedule(static)
                      for (int64_t i = 0; i < n * d; ++i) {

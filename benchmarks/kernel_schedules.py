@@ -8,7 +8,10 @@ cycles of stride 2, and pairs), and for the exponential graph two schedules cut 
 output reading only its own row back from scratch (the cost of sending every row through
 scratch and writing it later), the mixing alone (its cache reads, no local steps), and the
 library's step with other column blocks than the one it picks (1,024, 2,048 and 8,192 columns).
-The copy, the no-mixing update and each graph's step run again on one thread: what one core
+Two read-only sums (over x; over x, m and g) time the reads alone: where a loop's writes back ride
+along with its reads, as on this machine, the three reads every step must make are its floor, and
+the table says how far above that floor the 80% line lies.
+The copy, the no-mixing update, the reads and each graph's step run again on one thread: what one core
 can do on its own tells a step bound by memory from one bound by the work on the core.
 Each step is first checked against a double-precision reference.
 
@@ -79,6 +82,11 @@ def run(quick: bool = False) -> dict:
   copy_gbps = _fractions(r, n, d, 1)
   in_cache = json.loads(proc_cached.stdout)
   _fractions(in_cache, n, d_cached, d // d_cached, copy_gbps)
+  line = r["cases"]["copy"]["ms"] * 5 / 2 / 0.8  # five passes at 80% of the copy's bandwidth
+  r["read_floor"] = {"read_three_ms": r["cases"]["read_three"]["ms"], "line_80_ms": line,
+                     "line_over_read_floor": line / r["cases"]["read_three"]["ms"],
+                     "step_over_read_floor": {g: r["cases"][g]["ms"] / r["cases"]["read_three"]["ms"]
+                                              for g in r["max_abs_error"]}}
   r["in_cache"] = {"d": d_cached, "cases": in_cache["cases"],
                    "note": "ms scaled to n x d; fraction_of_copy_bandwidth against the copy from memory above"}
   return r
@@ -96,6 +104,10 @@ def table(r: dict) -> list[str]:
            f"(outside JAX; max |error| vs a float64 reference: "
            + ", ".join(f"{k} {v:.1e}" for k, v in r["max_abs_error"].items()) + ")"]
   lines += [_row(name, c) for name, c in r["cases"].items()]
+  fl = r["read_floor"]
+  lines.append(f"  The step's floor, reading x, m and g: {fl['read_three_ms']:.2f} ms; the 80% line, {fl['line_80_ms']:.2f} ms, "
+               f"is {fl['line_over_read_floor']:.2f}x that floor; each step's time over the floor: "
+               + ", ".join(f"{g} {v:.2f}x" for g, v in fl["step_over_read_floor"].items()))
   cached = r["in_cache"]
   lines.append(f"The same on {r['n']} x {cached['d']} floats, in cache, times scaled to {r['n']} x {r['d']} "
                "(fractions of the copy from memory above):")

@@ -201,12 +201,13 @@ def test_benchmark_suite_quick(tmp_path):
   ks = r["kernel_schedules"]  # the native step, built outside JAX, checked against a float64 reference
   graphs = {"ring", "exponential", "one_peer_shift_2", "one_peer_shift_4"}  # n = 8: the last round's shift is 4
   assert set(ks["max_abs_error"]) == graphs and max(ks["max_abs_error"].values()) < 1e-5
-  two_threads = {"copy", "no_mixing"} | graphs
+  two_threads = {"copy", "read_one", "read_three", "no_mixing"} | graphs
   blocks = {f"exponential_block_{b}" for b in (1024, 2048, 8192)}
   assert set(ks["cases"]) == two_threads | {"exponential_own_row_only", "exponential_mixing_only"} | blocks | {
       f"{c}_one_thread" for c in two_threads}
   assert all(c["ms"] > 0 and c["fraction_of_copy_bandwidth"] > 0 for c in ks["cases"].values())
-  in_cache = {"copy", "no_mixing", "exponential"}  # the second run, rows short enough to stay in cache
+  assert ks["read_floor"]["line_over_read_floor"] > 0 and set(ks["read_floor"]["step_over_read_floor"]) == graphs
+  in_cache = {"copy", "read_one", "read_three", "no_mixing", "exponential"}  # the second run, rows short enough to stay in cache
   assert set(ks["in_cache"]["cases"]) == in_cache | {"exponential_own_row_only", "exponential_mixing_only"} | blocks | {
       f"{c}_one_thread" for c in in_cache}
   assert all(c["ms"] > 0 and c["fraction_of_copy_bandwidth"] > 0 for c in ks["in_cache"]["cases"].values())
