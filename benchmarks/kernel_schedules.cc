@@ -180,7 +180,6 @@ int main(int argc, char** argv) {
 #pragma omp parallel for schedule(static)
                      for (int64_t i = 0; i < n * d; ++i) x[i] *= c;
                    }});
-  // Reads alone: this machine reads and writes back at once, so a step's floor can be its reads.
   cases.push_back({"read_one", 1, [&] { ReadSum(x, nullptr, nullptr, n * d); }});
   cases.push_back({"read_three", 3, [&] { ReadSum(x, m, g, n * d); }});  // what every DmSGD step must read
   cases.push_back({"no_mixing", 5, [&] {

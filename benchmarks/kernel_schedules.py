@@ -82,11 +82,11 @@ def run(quick: bool = False) -> dict:
   copy_gbps = _fractions(r, n, d, 1)
   in_cache = json.loads(proc_cached.stdout)
   _fractions(in_cache, n, d_cached, d // d_cached, copy_gbps)
-  line = r["cases"]["copy"]["ms"] * 5 / 2 / 0.8  # five passes at 80% of the copy's bandwidth
-  r["read_floor"] = {"read_three_ms": r["cases"]["read_three"]["ms"], "line_80_ms": line,
-                     "line_over_read_floor": line / r["cases"]["read_three"]["ms"],
-                     "step_over_read_floor": {g: r["cases"][g]["ms"] / r["cases"]["read_three"]["ms"]
-                                              for g in r["max_abs_error"]}}
+  c = r["cases"]  # the 80% line: a step's passes (no_mixing's) at 80% of the copy's bandwidth
+  line = c["copy"]["ms"] * c["no_mixing"]["passes"] / c["copy"]["passes"] / 0.8
+  floor = c["read_three"]["ms"]
+  r["read_floor"] = {"read_three_ms": floor, "line_80_ms": line, "line_over_read_floor": line / floor,
+                     "step_over_read_floor": {g: c[g]["ms"] / floor for g in r["max_abs_error"]}}
   r["in_cache"] = {"d": d_cached, "cases": in_cache["cases"],
                    "note": "ms scaled to n x d; fraction_of_copy_bandwidth against the copy from memory above"}
   return r
