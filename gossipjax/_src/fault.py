@@ -1,10 +1,18 @@
-"""MPI jobs that fail fast: an uncaught exception on one rank aborts every rank."""
+"""MPI jobs that fail fast instead of hanging.
+
+A rank that raises, or that leaves while the others still wait for its messages, aborts
+every rank; ranks that built different topologies are told which ranks differ.
+"""
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import sys
 import time
 from typing import Any
+
+import numpy as np
 
 _installed: dict[str, Any] = {}
 
@@ -13,26 +21,43 @@ _installed: dict[str, Any] = {}
 # not yet passed on (the user would see half a traceback, or none).
 _FORWARD_GRACE_S = 0.5
 
+EXIT_TIMEOUT_S = 60.0
+_EXIT_POLL_S = 0.01
 
-def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
-  """Makes an uncaught exception on this rank abort the whole MPI job.
 
-  Without it, a rank that raises exits (or blocks in ``MPI_Finalize``) while the other
-  ranks wait forever in their next collective or receive: the job hangs until a wall-clock
-  limit. With it, the exception's traceback is printed as usual, then a line naming the rank
-  (``gossipjax: uncaught exception on rank 2 of 4: MPI_Abort(1) ends every rank``), and half
-  a second later, so that ``mpiexec`` has forwarded that output, ``comm.Abort(errorcode)``
-  tells ``mpiexec`` to kill every rank: the job ends with a non-zero status within seconds.
-  (This is what ``python -m mpi4py script.py`` does; this function gives it to scripts
-  launched as ``mpiexec python script.py``.)
+def abort_on_error(comm: Any = None, errorcode: int = 1, exit_timeout: float | None = EXIT_TIMEOUT_S) -> None:
+  """Makes an uncaught exception on this rank, or its early exit, abort the whole MPI job.
 
-  It hooks ``sys.excepthook`` (uncaught exceptions of the main thread). Calling it again
-  replaces the communicator. It does nothing without mpi4py or on a communicator of one
-  process (nobody can be left waiting), so it is safe in tests and notebooks.
+  Without it, a rank that raises, calls ``sys.exit`` or returns from its main function
+  exits (or blocks in ``MPI_Finalize``) while the other ranks wait forever in their next
+  collective or receive: the job hangs until a wall-clock limit. With it:
+
+  - An uncaught exception prints its traceback as usual, then a line naming the rank
+    (``gossipjax: uncaught exception on rank 2 of 4: MPI_Abort(1) ends every rank``), and
+    half a second later, so that ``mpiexec`` has forwarded that output,
+    ``comm.Abort(errorcode)`` tells ``mpiexec`` to kill every rank: the job ends with a
+    non-zero status within seconds. (This is what ``python -m mpi4py script.py`` does;
+    this function gives it to scripts launched as ``mpiexec python script.py``.)
+  - At interpreter exit, for whatever reason, the rank waits up to ``exit_timeout`` seconds
+    for every rank of ``comm`` to reach its own exit (a non-blocking barrier on a
+    communicator of its own, so it never matches a collective of the program). A job
+    whose ranks all finish exits as before; if a rank leaves while the others are still
+    running, it aborts the job with ``errorcode`` when the time is up, whatever its own exit
+    status. A program whose ranks legitimately finish far apart (rank 0 alone writes
+    results for minutes, say) should end with ``comm.Barrier()`` on every rank, or pass a
+    longer ``exit_timeout``.
+
+  It hooks ``sys.excepthook`` (uncaught exceptions of the main thread) and registers an
+  ``atexit`` function. Call it on every rank of ``comm``: it duplicates the communicator,
+  a collective. Calling it again replaces the communicator and the settings. It does
+  nothing without mpi4py or on a communicator of one process (nobody can be left
+  waiting), so it is safe in tests and notebooks.
 
   Args:
     comm: the mpi4py communicator to abort (default ``MPI.COMM_WORLD``).
     errorcode: the exit status ``mpiexec`` reports.
+    exit_timeout: how long a rank waits at exit for the others, in seconds; ``None``
+      does not wait (an early exit then leaves the others waiting).
   """
   if comm is None:
     try:
@@ -43,30 +68,124 @@ def abort_on_error(comm: Any = None, errorcode: int = 1) -> None:
   if comm.Get_size() == 1:
     return
   first = not _installed
-  _installed["comm"], _installed["errorcode"] = comm, errorcode
+  previous_exit_comm = _installed.get("exit_comm")
+  _installed.update(comm=comm, errorcode=errorcode, exit_timeout=exit_timeout,
+                    exit_comm=None if exit_timeout is None else comm.Dup())
+  if previous_exit_comm is not None:
+    previous_exit_comm.Free()
   if not first:
     return
   previous = sys.excepthook
-
-  def abort() -> None:
-    comm_, code = _installed["comm"], _installed["errorcode"]
-    try:  # said here too: the MPI library's own abort message can be lost with the job's pipes
-      sys.stderr.write(f"gossipjax: uncaught exception on rank {comm_.Get_rank()} of {comm_.Get_size()}: "
-                       f"MPI_Abort({code}) ends every rank\n")
-    except Exception:
-      pass
-    for stream in (sys.stdout, sys.stderr):
-      try:
-        stream.flush()
-      except Exception:  # a closed stream must not stop the abort
-        pass
-    time.sleep(_FORWARD_GRACE_S)
-    comm_.Abort(code)
 
   def hook(kind, value, tb):
     try:
       previous(kind, value, tb)
     finally:
-      abort()
+      comm_ = _installed["comm"]
+      _abort(f"uncaught exception on rank {comm_.Get_rank()} of {comm_.Get_size()}")
 
   sys.excepthook = hook
+  # Registered after mpi4py's import, so it runs before mpi4py finalizes MPI.
+  atexit.register(_exit_together)
+
+
+def _abort(reason: str) -> None:
+  """Says why on stderr, gives ``mpiexec`` time to forward the output, then aborts every rank."""
+  comm, code = _installed["comm"], _installed["errorcode"]
+  try:  # said here too: the MPI library's own abort message can be lost with the job's pipes
+    sys.stderr.write(f"gossipjax: {reason}: MPI_Abort({code}) ends every rank\n")
+  except Exception:
+    pass
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except Exception:  # a closed stream must not stop the abort
+      pass
+  time.sleep(_FORWARD_GRACE_S)
+  comm.Abort(code)
+
+
+def _exit_together() -> None:
+  """Waits for every rank to reach its exit; aborts the job when one leaves the others behind.
+
+  The ranks left behind are inside an MPI call that no Python code can interrupt, so
+  the rank that leaves is the one that can end the job.
+  """
+  exit_comm, timeout = _installed.get("exit_comm"), _installed.get("exit_timeout")
+  if exit_comm is None or timeout is None:
+    return
+  from mpi4py import MPI
+
+  if MPI.Is_finalized():  # the program finalized MPI itself: nothing can wait or abort
+    return
+  request = exit_comm.Ibarrier()
+  deadline = time.monotonic() + timeout
+  while not request.Test():
+    if time.monotonic() >= deadline:
+      _abort(f"rank {exit_comm.Get_rank()} of {exit_comm.Get_size()} is exiting, but not every rank reached "
+             f"its exit within {timeout:g} s (a rank that returns or calls sys.exit early leaves the others "
+             "waiting; if they were only busy, end every rank with comm.Barrier(), or raise exit_timeout "
+             "of gj.abort_on_error)")
+    time.sleep(_EXIT_POLL_S)
+
+
+def check_same_topology(comm: Any, topology: Any) -> None:
+  """Raises ``ValueError`` on every rank of ``comm`` unless all of them built the same topology.
+
+  Ranks whose plans differ exchange different messages: the job hangs, or (same offsets,
+  other weights or node count) runs to a wrong result with exit status 0. Every rank
+  gathers every rank's digest of the node count and the sparse plans, so each one raises
+  the same message, naming the ranks of each topology, and the job ends, not hangs. A
+  collective: call it on every rank of ``comm``, once per mixer.
+
+  Args:
+    comm: the mpi4py communicator the mixer exchanges over.
+    topology: this rank's ``gj.topology.Topology``.
+  """
+  if comm.Get_size() == 1:
+    return
+  everyone = comm.allgather((_topology_digest(topology), topology.name, topology.num_nodes))
+  groups: dict[tuple[str, str, int], list[int]] = {}
+  for rank, key in enumerate(everyone):
+    groups.setdefault(key, []).append(rank)
+  if len(groups) == 1:
+    return
+  names = [name for _, name, _ in groups]
+  described = []
+  for (digest, name, n), ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1])):
+    same_name = f" (weights {digest[:8]})" if names.count(name) > 1 else ""
+    described.append(f"{name} with n={n}{same_name} on {'ranks' if len(ranks) > 1 else 'rank'} {_ranks(ranks)}")
+  raise ValueError(f"the MPI ranks built different topologies for one mixer: {'; '.join(described)}. "
+                   "Their exchanges would not match (a hung job or wrong numbers): build the same "
+                   "topology on every rank")
+
+
+def _topology_digest(topology: Any) -> str:
+  """SHA-256 of n, the period and every plan's sources and weights (rounded, so round-off does not count)."""
+  h = hashlib.sha256(np.asarray([topology.num_nodes, topology.period], np.int64).tobytes())
+
+  def add(weights: np.ndarray) -> None:
+    h.update((np.round(np.asarray(weights, np.float64), 12) + 0.0).tobytes())  # + 0.0 makes -0.0 hash as 0.0
+
+  for plan in topology.plans():
+    add(plan.self_weight)
+    h.update(np.asarray([len(plan.rounds)], np.int64).tobytes())
+    for r in plan.rounds:
+      h.update(np.asarray(r.src, np.int64).tobytes())
+      add(r.weight)
+  return h.hexdigest()
+
+
+def _ranks(ranks: list[int]) -> str:
+  """``0, 2, 3`` or ``0, 4-9``: runs of three or more as ranges, so a large job's list stays short."""
+  parts, start = [], 0
+  while start < len(ranks):
+    end = start
+    while end + 1 < len(ranks) and ranks[end + 1] == ranks[end] + 1:
+      end += 1
+    if end - start >= 2:
+      parts.append(f"{ranks[start]}-{ranks[end]}")
+    else:
+      parts.extend(str(r) for r in ranks[start:end + 1])
+    start = end + 1
+  return ", ".join(parts)

@@ -132,6 +132,10 @@ class Mpi:
     return slice(self.rank * b, (self.rank + 1) * b)
 
   def mixer(self, topology: Topology) -> MpiMixer:
+    """W on this rank's block; a collective: every rank builds it, from the same topology (else ``ValueError``)."""
+    from gossipjax._src.fault import check_same_topology
+
+    check_same_topology(self.comm, topology)  # before any rank can raise alone, leaving the others waiting
     check_divisible(topology, self.size, "MPI ranks")
     return MpiMixer(topology, self.comm, self.rank, self.size, compile_topology(topology, self.size))
 
@@ -156,8 +160,8 @@ def mpi(comm: Any = None, abort_on_error: bool = True) -> Mpi:
   offset, carrying only the rows the neighbour needs.
 
   Also installs ``gj.abort_on_error`` (unless ``abort_on_error=False``): an uncaught
-  exception on one rank then aborts the whole job instead of leaving the other ranks
-  waiting forever in their next exchange.
+  exception on one rank, or its exit while the others still run, then aborts the whole
+  job instead of leaving the other ranks waiting forever in their next exchange.
 
   For messages of more than a few hundred KiB, launch with ``gj.backend.mpi_launch_env``
   set (``$(python -c "import gossipjax as gj; print(gj.backend.mpi_launch_prefix())") mpiexec -n 4
@@ -166,7 +170,7 @@ def mpi(comm: Any = None, abort_on_error: bool = True) -> Mpi:
 
   Args:
     comm: an ``mpi4py`` communicator; ``None`` uses a clone of ``COMM_WORLD``.
-    abort_on_error: install the abort-on-uncaught-exception hook.
+    abort_on_error: install the hooks that abort the job on an uncaught exception or an early exit.
 
   Raises:
     ImportError: mpi4jax is not installed (the message says how to install it).
