@@ -25,6 +25,7 @@ from gossipjax._src.nodes import (
     init_nodes,
     node_mean,
     nonfinite_nodes,
+    per_node,
 )
 from gossipjax._src.periodic_average import PeriodicAverageState, periodic_average
 from gossipjax._src.qg_dmsgd import QGMomentumState, qg_dmsgd
@@ -74,6 +75,7 @@ __all__ = (
     "node_mean",
     "nonfinite_counts",
     "nonfinite_nodes",
+    "per_node",
     "periodic_average",
     "qg_dmsgd",
     "random_pairs",

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: int, same_init: bool = True) -> Any:
@@ -73,3 +74,55 @@ def evaluate_nodes(metric_fn: Callable[[Any, Any], Any], params: Any, batch: Any
 def evaluate_mean(metric_fn: Callable[[Any, Any], Any], params: Any, batch: Any) -> Any:
   """``metric_fn`` of the average model on ``batch``."""
   return metric_fn(node_mean(params), batch)
+
+
+def per_node(tx: optax.GradientTransformation, backend: Any = None) -> optax.GradientTransformationExtraArgs:
+  """Wraps an optax transform so that ``init`` and ``update`` act on each node on its own.
+
+  A transform that reduces over the whole tree sees the stacked node axis as part of one
+  model when used bare: ``optax.clip_by_global_norm(1.0)`` then takes one norm over every
+  node's gradient, so one node with a large gradient shrinks every other node's step, and
+  ``optax.apply_if_finite`` skips every node's step when one node's gradient is NaN. Under
+  ``per_node`` each node has its own norm, its own state and its own skip counter. Elementwise
+  transforms (``scale``, ``trace``, ``adam``, ...) give the same result either way.
+
+  Args:
+    tx: any ``optax.GradientTransformation``, written for one node's params.
+    backend: where the nodes live; its ``map`` runs each node's transform on the device (or
+      rank) that holds the node (default: ``gj.backend.simulate()``, a plain ``jax.vmap``).
+
+  Returns:
+    A transform over node-stacked trees; its state is ``tx``'s state with a leading node
+    axis on every leaf. Extra arguments of ``update`` are passed unchanged to every node.
+
+  Raises:
+    TypeError: ``tx``'s state cannot be stacked over nodes (a leaf that is not an array).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> g = jnp.array([[3.0, 4.0], [0.3, 0.4]])          # node 0's norm is 5, node 1's is 0.5
+    >>> clip = gj.per_node(optax.clip_by_global_norm(1.0))
+    >>> u, _ = clip.update(g, clip.init(g))
+    >>> u.round(2).tolist()                               # only node 0 is clipped
+    [[0.6, 0.8], [0.3, 0.4]]
+    >>> bare = optax.clip_by_global_norm(1.0)            # one norm over both nodes
+    >>> bare.update(g, bare.init(g))[0].round(2).tolist()
+    [[0.6, 0.8], [0.06, 0.08]]
+  """
+  from gossipjax.backend import simulate
+
+  backend = backend if backend is not None else simulate()
+  inner = optax.with_extra_args_support(tx)
+
+  def init_fn(params):
+    try:
+      return backend.map(inner.init)(params)
+    except TypeError as e:
+      raise TypeError(f"gj.per_node: the state of this transform cannot be stacked over nodes ({e}); "
+                      "per_node needs a state whose leaves are arrays") from e
+
+  def update_fn(updates, state, params=None, **extra_args):
+    one = lambda u, s, p: inner.update(u, s, p, **extra_args)
+    return backend.map(one, in_axes=(0, 0, None if params is None else 0))(updates, state, params)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,8 +1,8 @@
-"""What a backend provides to the algorithms: a mixer per topology, and an all-reduce mean."""
+"""What a backend provides: a mixer per topology, an all-reduce mean, and ``map`` for per-node work."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 
@@ -36,4 +36,8 @@ class Backend(Protocol):
 
   def local_nodes(self, num_nodes: int) -> int:
     """How many nodes sit on the leading axis where a transform runs."""
+    ...
+
+  def map(self, fn: Callable[..., Any], in_axes: Any = 0, num_nodes: int | None = None) -> Callable[..., Any]:
+    """``fn`` on each node's slice, as ``jax.vmap(fn, in_axes)``, run where the nodes live."""
     ...

@@ -9,11 +9,12 @@ offset of the plan (two for a ring).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
+from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._blocks import BlockPlan, Exchange, check_divisible, compile_topology, mix_blocks
 from gossipjax.topology import Topology
 
@@ -150,6 +151,19 @@ class Mpi:
 
   def local_nodes(self, num_nodes: int) -> int:
     return num_nodes // self.size
+
+  def map(self, fn: Callable[..., Any], in_axes: InAxes = 0, num_nodes: int | None = None) -> Callable[..., Any]:
+    """``fn`` on each of this rank's nodes: ``jax.vmap(fn, in_axes)`` over the rank's block.
+
+    Args:
+      fn: a per-node function with no collectives.
+      in_axes: ``0`` for arguments that carry this rank's nodes on their leading axis
+        (e.g. ``x[backend.node_slice(n)]``), ``None`` for arguments every node shares.
+      num_nodes: the global n; when given, every mapped leaf must have B = n / size rows.
+    """
+    where = f"gj.backend.mpi().map on rank {self.rank}"
+    expected = None if num_nodes is None else self.local_nodes(num_nodes)
+    return vmap_nodes(fn, in_axes, expected, where)
 
 
 def mpi(comm: Any = None, abort_on_error: bool = True) -> Mpi:
