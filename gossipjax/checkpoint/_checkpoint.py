@@ -7,24 +7,43 @@ Layout of a checkpoint directory::
         state/                   # written by orbax (StandardCheckpointHandler)
         gossipjax_manifest.json  # leaf paths, shapes, dtypes, PRNG impls, SHA-256 of every file
       200/
-      .tmp-300-<uuid>/           # a save in progress (or one that crashed): never read
+      .tmp-300-<id>/             # a save in progress (or one that was killed): never read
+      .old-200-<id>/             # the version of step 200 that a save is replacing
+      .del-<id>/                 # being removed
+      .lock                      # saves hold it shared; the one that gets it alone clears debris
+      .mpi_rank                  # under MPI: the rank whose checkpoints these are
 
 Why a manifest of our own: orbax's temporary-directory-and-rename makes a save atomic, but
 nothing in the stored arrays is checksummed, so a flipped byte in a chunk comes back as
 silently wrong numbers. The manifest is written last, inside the temporary directory, and
-the directory is renamed into place only after it is on disk.
+the directory is renamed into place only after it is on disk. That rename is the commit,
+as orbax's own finalize is: a reader never sees a partial step.
+
+Replacing a step cannot be one rename (POSIX renames a directory only onto a missing or empty
+one), so the old version is first renamed aside to ``.old-<step>-<id>`` and stands for the
+step until the new one is in place: a kill at any point leaves the old or the new version.
+Anything a save removes is first renamed to ``.del-<id>``, so a kill mid-removal never leaves
+a step with part of its files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import pathlib
 import shutil
+import sys
 import uuid
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
+
+try:
+  import fcntl
+except ImportError:  # Windows
+  fcntl = None
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +54,9 @@ _STATE = "state"
 _FORMAT = 1
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
+_DEL_PREFIX = ".del-"
+_LOCK = ".lock"
+_OWNER = ".mpi_rank"
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -103,16 +125,148 @@ def _check_step(step: Any) -> int:
   return int(step)
 
 
+def _mpi_rank() -> tuple[int, int] | None:
+  """``(rank, size)`` when this process is one of several MPI ranks that each run their own JAX, else None.
+
+  Such ranks save independently (each holds its own block of nodes), unlike the processes of
+  a multi-controller JAX job (``jax.distributed``), which orbax coordinates. The rank is read
+  from mpi4py once the program has started MPI, else from the launcher's environment.
+  """
+  if jax.process_count() > 1:
+    return None
+  mpi = sys.modules.get("mpi4py.MPI")
+  if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+    rank, size = mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
+  else:
+    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+      if rank_var in os.environ and size_var in os.environ:
+        rank, size = int(os.environ[rank_var]), int(os.environ[size_var])
+        break
+    else:
+      return None
+  return (rank, size) if size > 1 else None
+
+
+def _rank_refusal(where: Any, owner: int, mpi: tuple[int, int]) -> str:
+  return (f"checkpoint: {where} holds the checkpoints of MPI rank {owner}, and this is rank {mpi[0]} of {mpi[1]}; "
+          "ranks that share a checkpoint directory would overwrite and restore each other's nodes. Give each rank "
+          "its own directory: gj.checkpoint.rank_directory(path, rank)")
+
+
+def _claim(directory: pathlib.Path, mpi: tuple[int, int] | None) -> None:
+  """Under MPI, records this rank as the owner of ``directory``; raises ValueError if another rank owns it."""
+  if mpi is None:
+    return
+  owner = directory / _OWNER
+  staged = directory / f"{_TMP_PREFIX}rank-{uuid.uuid4().hex}"
+  staged.write_text(str(mpi[0]))
+  try:
+    os.link(staged, owner)  # atomic: of ranks racing for the directory, one wins
+  except FileExistsError:
+    pass
+  finally:
+    staged.unlink()
+  holder = int(owner.read_text())
+  if holder != mpi[0]:
+    raise ValueError(_rank_refusal(directory, holder, mpi))
+
+
+def _flock(fd: int, operation: int) -> bool | None:
+  """``flock``: True once taken, False if another process holds it, None where the file system has no flock."""
+  try:
+    fcntl.flock(fd, operation)
+  except BlockingIOError:
+    return False
+  except OSError:
+    return None
+  return True
+
+
+@contextlib.contextmanager
+def _saving(directory: pathlib.Path) -> Iterator[None]:
+  """Holds ``directory/.lock`` shared for one save; the save that gets it alone first clears debris.
+
+  Only a save that runs alone may remove what other saves left (their ``.tmp-`` directories
+  may still be written). flock is released when its process dies, kill -9 included, so the
+  debris of killed saves goes at the next save that finds none running. Without flock
+  (Windows, a file system mounted without it) debris stays rather than risk a live save.
+  """
+  if fcntl is None:
+    yield
+    return
+  fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    alone = _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if alone:
+      _clear_debris(directory)
+    if alone is not None:
+      _flock(fd, fcntl.LOCK_SH)
+    yield
+  finally:
+    os.close(fd)
+
+
+def _remove(path: pathlib.Path) -> None:
+  """Renames ``path`` out of the readers' view (``.del-<id>``), then deletes it; gone already is fine."""
+  trash = path.parent / f"{_DEL_PREFIX}{uuid.uuid4().hex}"
+  try:
+    os.rename(path, trash)
+  except FileNotFoundError:
+    return
+  _delete(trash)
+
+
+def _delete(path: pathlib.Path) -> None:
+  if path.is_dir() and not path.is_symlink():
+    shutil.rmtree(path, ignore_errors=True)
+  else:
+    path.unlink(missing_ok=True)
+
+
+def _clear_debris(directory: pathlib.Path) -> None:
+  """Removes what killed saves left; an old version that still stands for its step goes back in place."""
+  standing = set(_sealed_steps(directory).values())
+  for p in directory.iterdir():
+    if p.name.startswith((_TMP_PREFIX, _DEL_PREFIX)):
+      _delete(p)
+    elif p.name.startswith(_OLD_PREFIX):
+      if p in standing:
+        with contextlib.suppress(OSError):  # something else holds the step's name: the old version still stands
+          os.rename(p, directory / str(_old_step(p.name)))
+      else:
+        _delete(p)
+
+
+def _put_in_place(tmp: pathlib.Path, final: pathlib.Path) -> list[pathlib.Path]:
+  """Renames the sealed ``tmp`` to ``final``; returns the versions of the step it moved aside to do so."""
+  aside = []
+  while True:
+    try:
+      os.rename(tmp, final)
+      return aside
+    except OSError as e:
+      if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+        raise
+    # A version of the step is there (a concurrent save of the same step may have put it there
+    # since the last try): until the rename above, it stands for the step under its .old- name.
+    old = final.parent / f"{_OLD_PREFIX}{final.name}-{uuid.uuid4().hex}"
+    with contextlib.suppress(FileNotFoundError):
+      os.rename(final, old)
+      aside.append(old)
+
+
 def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None = None) -> pathlib.Path:
   """Saves ``tree`` as step ``step`` of the checkpoint directory ``directory``.
 
   The step is written to a temporary directory, sealed with a manifest (leaf paths, shapes,
   dtypes and the SHA-256 of every file) and renamed into place, so a crash mid-save leaves
-  the steps saved before intact. Saving a step that exists replaces it.
+  the steps saved before intact. Saving a step that exists replaces it; a kill mid-save
+  leaves the old or the new version. Several processes may save into one directory at once.
 
   Args:
     directory: the checkpoint directory (created if missing). Under MPI, give each rank its
-      own, e.g. ``gj.checkpoint.rank_directory(path, comm.rank)``.
+      own, ``gj.checkpoint.rank_directory(path, comm.rank)``: a save into a directory that
+      another rank saves into raises ValueError.
     tree: any pytree of arrays (jax or NumPy), Python numbers and typed PRNG keys
       (``jax.random.key``): params, optimizer states, step counters, data positions.
     step: the training step this state belongs to (the sub-directory name).
@@ -135,8 +289,6 @@ def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None
     raise ValueError(f"checkpoint: keep must be a positive integer or None, got {keep!r}")
   directory = pathlib.Path(directory).absolute()
   directory.mkdir(parents=True, exist_ok=True)
-  for stale in directory.glob(_TMP_PREFIX + "*"):  # left by a save that crashed
-    shutil.rmtree(stale, ignore_errors=True)
 
   leaves, treedef = _flatten(tree)
   specs = [_leaf_spec(p, x) for p, x in leaves]
@@ -149,41 +301,65 @@ def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None
     if x.size:  # orbax refuses empty arrays; the manifest's shape and dtype are all they hold
       arrays[str(i)] = x
 
-  tmp = directory / f"{_TMP_PREFIX}{step}-{uuid.uuid4().hex}"
-  tmp.mkdir()
-  if arrays:
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-      ckptr.save(tmp / _STATE, args=ocp.args.StandardSave(arrays))
-  files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(_files(tmp))}
-  body = {"format": _FORMAT, "step": step, "treedef": str(treedef), "leaves": specs, "files": files}
-  manifest = tmp / _MANIFEST
-  with open(manifest, "w") as f:
-    json.dump({"body": body, "sha256": _body_digest(body)}, f, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
-  _fsync_dir(tmp)
+  mpi = _mpi_rank()
+  with _saving(directory):
+    _claim(directory, mpi)
+    tmp = directory / f"{_TMP_PREFIX}{step}-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    if arrays:
+      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        ckptr.save(tmp / _STATE, args=ocp.args.StandardSave(arrays))
+    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(_files(tmp))}
+    body = {"format": _FORMAT, "step": step, "treedef": str(treedef), "leaves": specs, "files": files}
+    if mpi is not None:
+      body["mpi_rank"] = mpi[0]
+    manifest = tmp / _MANIFEST
+    with open(manifest, "w") as f:
+      json.dump({"body": body, "sha256": _body_digest(body)}, f, sort_keys=True)
+      f.flush()
+      os.fsync(f.fileno())
+    _fsync_dir(tmp)
 
-  final = directory / str(step)
-  old = None
-  if final.exists():
-    old = directory / f"{_OLD_PREFIX}{step}-{uuid.uuid4().hex}"
-    os.replace(final, old)
-  os.replace(tmp, final)
-  _fsync_dir(directory)
-  if old is not None:
-    shutil.rmtree(old, ignore_errors=True)
-  if keep is not None:
-    for s in all_steps(directory)[:-keep]:
-      shutil.rmtree(directory / str(s), ignore_errors=True)
+    final = directory / str(step)
+    aside = _put_in_place(tmp, final)
+    _fsync_dir(directory)
+    for old in aside:
+      _remove(old)
+    if keep is not None:
+      for s in all_steps(directory)[:-keep]:
+        for version in (directory / str(s), *directory.glob(f"{_OLD_PREFIX}{s}-*")):
+          _remove(version)
   return final
+
+
+def _old_step(name: str) -> int | None:
+  """The step of an old version's directory name, ``.old-<step>-<id>``."""
+  head = name[len(_OLD_PREFIX):].split("-")[0] if name.startswith(_OLD_PREFIX) else ""
+  return int(head) if head.isdigit() else None
+
+
+def _sealed_steps(directory: pathlib.Path) -> dict[int, pathlib.Path]:
+  """Each saved step and the directory that holds it: ``<step>/``, else an old version being replaced."""
+  found: dict[int, pathlib.Path] = {}
+  if not directory.is_dir():
+    return found
+  olds = []
+  for p in directory.iterdir():
+    if p.name.isdigit():
+      if (p / _MANIFEST).is_file():
+        found[int(p.name)] = p
+    elif _old_step(p.name) is not None:
+      olds.append(p)
+  for p in sorted(olds):
+    step = _old_step(p.name)
+    if step not in found and (p / _MANIFEST).is_file():
+      found[step] = p
+  return found
 
 
 def all_steps(directory: str | os.PathLike) -> list[int]:
   """The steps saved (sealed by their manifest) in ``directory``, in increasing order."""
-  directory = pathlib.Path(directory)
-  if not directory.is_dir():
-    return []
-  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / _MANIFEST).is_file())
+  return sorted(_sealed_steps(pathlib.Path(directory)))
 
 
 def latest_step(directory: str | os.PathLike, comm: Any = None) -> int | None:
@@ -299,7 +475,8 @@ def restore(directory: str | os.PathLike, like: Any, step: int | None = None, *,
   Raises:
     FileNotFoundError: no checkpoint (or not that step) in ``directory``.
     CorruptCheckpointError: the step on disk is truncated, modified or unreadable.
-    ValueError: ``like`` has another structure, shape or dtype than the saved tree.
+    ValueError: ``like`` has another structure, shape or dtype than the saved tree, or, under
+      MPI, the step holds another rank's nodes.
   """
   import orbax.checkpoint as ocp
 
@@ -309,10 +486,13 @@ def restore(directory: str | os.PathLike, like: Any, step: int | None = None, *,
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {directory}")
   step = _check_step(step)
-  step_dir = directory / str(step)
+  step_dir = _sealed_steps(directory).get(step, directory / str(step))
   if not step_dir.is_dir():
     raise FileNotFoundError(f"no checkpoint of step {step} in {directory} (saved steps: {all_steps(directory)})")
   body = _read_manifest(step_dir)
+  mpi = _mpi_rank()
+  if mpi is not None and body.get("mpi_rank", mpi[0]) != mpi[0]:
+    raise ValueError(_rank_refusal(step_dir, body["mpi_rank"], mpi))
   leaves, treedef = _flatten(like)
   _check_like(step_dir, body, leaves, treedef)
   if verify:
