@@ -18,8 +18,16 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = argparse.ArgumentParser(prog="gossipjax", description=__doc__)
   sub = p.add_subparsers(dest="command", required=True)
-  t = sub.add_parser("train", help="train an MLP on the bundled handwritten digits with n simulated nodes",
+  t = sub.add_parser("train", help="train a model on the bundled handwritten digits with n decentralized nodes",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  t.add_argument("--backend", choices=["simulate", "sharded", "mpi"], default="simulate",
+                 help="where the nodes live: all on one device, split over this host's devices "
+                      "(shard_map + ppermute), or over MPI ranks (launch with `mpiexec -n K gossipjax train "
+                      "--backend mpi`); every backend reports the simulation's numbers")
+  t.add_argument("--devices", type=int, default=None,
+                 help="sharded: how many devices to split the nodes over (default: all; on a CPU host, "
+                      "that many CPU devices are made)")
+  t.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="an MLP with one hidden layer, or a small CNN")
   t.add_argument("--algorithms", type=_csv, default=["allreduce", "dpsgd", "dmsgd", "decentlam"],
                  help=f"comma-separated, from: {', '.join(ALGORITHMS)}")
   t.add_argument("--topologies", type=_csv, default=["ring", "exponential", "symmetric_exponential"],
@@ -46,11 +54,28 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def _make_backend(args: argparse.Namespace):
+  import jax
+
+  import gossipjax as gj
+
+  if args.backend == "simulate":
+    return gj.backend.simulate()
+  if args.backend == "mpi":
+    return gj.backend.mpi()
+  devices = jax.devices()
+  k = args.devices or len(devices)
+  if k > len(devices):
+    raise SystemExit(f"--devices {k}: only {len(devices)} {jax.default_backend()} device(s) are visible")
+  mesh = jax.make_mesh((k,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices[:k])
+  return gj.backend.sharded(mesh)
+
+
 class _RunCheckpoints:
   """One run's checkpoints: the training state via gj.checkpoint, its metrics rows beside it."""
 
-  def __init__(self, directory: str, every: int):
-    self.directory, self.every = directory, every
+  def __init__(self, directory: str, every: int, placement):
+    self.directory, self.every, self.placement = directory, every, placement
 
   def save(self, state, rows) -> None:
     import json
@@ -74,33 +99,43 @@ class _RunCheckpoints:
 
     if not os.path.isdir(self.directory) or checkpoint.latest_step(self.directory) is None:
       return None, []
-    tree = checkpoint.restore(self.directory, like={"step": 0, "params": fresh.params, "opt_state": fresh.opt_state})
+    like = {"params": fresh.params, "opt_state": fresh.opt_state}
+    tree = checkpoint.restore(self.directory, like={"step": 0, **like})
     with open(os.path.join(self.directory, "history.json")) as f:
       rows = [r for r in json.load(f) if r["step"] <= tree["step"]]
-    return TrainState(int(tree["step"]), tree["params"], tree["opt_state"]), rows
+    placed = self.placement.like({"params": tree["params"], "opt_state": tree["opt_state"]}, like)
+    return TrainState(int(tree["step"]), placed["params"], placed["opt_state"]), rows
 
 
 def train(args: argparse.Namespace) -> dict:
   import jax
   from tqdm.auto import tqdm
 
+  from gossipjax.checkpoint import rank_directory
   from gossipjax.data import load_digits
-  from gossipjax.train import ALGORITHMS, MLP, RunConfig, init_state, make_algorithm, make_topology, plot, result_table, timed_run
+  from gossipjax.train import (ALGORITHMS, CNN, MLP, RunConfig, init_state, make_algorithm, make_topology, plot,
+                               result_table, timed_run)
+  from gossipjax.train._placement import Placement
   from gossipjax.train._registry import NEEDS_NO_TOPOLOGY
 
   if args.steps % args.log_every:
     raise SystemExit(f"--steps ({args.steps}) must be a multiple of --log-every ({args.log_every})")
   if args.checkpoint_every % args.log_every:
     raise SystemExit(f"--checkpoint-every ({args.checkpoint_every}) must be a multiple of --log-every ({args.log_every})")
+  backend = _make_backend(args)
+  placement = Placement(backend, args.nodes)
   dataset = load_digits(seed=args.seed)
-  model = MLP(hidden=(64,), num_classes=dataset.num_classes)
+  if args.model == "cnn":
+    model = CNN(num_classes=dataset.num_classes, image_shape=(8, 8, 1))
+  else:
+    model = MLP(hidden=(64,), num_classes=dataset.num_classes)
   runs = []
   for alg in args.algorithms:
     for topo in ([None] if alg in NEEDS_NO_TOPOLOGY else args.topologies):
       cfg = RunConfig(algorithm=alg, topology=topo, num_nodes=args.nodes, steps=args.steps,
                       batch_size=args.batch_size, learning_rate=args.lr, beta=args.beta,
                       partition=args.partition, alpha=args.alpha, seed=args.seed, log_every=args.log_every,
-                      max_bad_steps=args.max_bad_steps)
+                      max_bad_steps=args.max_bad_steps, model=args.model, backend=args.backend)
       runs.append(cfg)
   # Build every transform first so that a bad name or size fails before any training; a pair the
   # algorithm cannot run on (DecentLaM on a directed graph) is skipped with its reason.
@@ -108,36 +143,46 @@ def train(args: argparse.Namespace) -> dict:
   for c in list(runs):
     topo = make_topology(c.topology, c.num_nodes) if c.topology else None
     try:
-      txs.append(make_algorithm(c.algorithm, topo, c.learning_rate, c.beta))
+      txs.append(make_algorithm(c.algorithm, topo, c.learning_rate, c.beta, backend))
     except ValueError as e:
       if topo is None or c.algorithm not in ALGORITHMS:
         raise
       skipped[c.name] = str(e)
       runs.remove(c)
 
-  os.makedirs(args.out, exist_ok=True)
+  if placement.is_main:
+    os.makedirs(args.out, exist_ok=True)
   results = {}
-  with tqdm(total=sum(c.steps for c in runs), unit="step", disable=args.no_progress, file=sys.stderr) as bar:
+  quiet = args.no_progress or not placement.is_main
+  with tqdm(total=sum(c.steps for c in runs), unit="step", disable=quiet, file=sys.stderr) as bar:
     for cfg, tx in zip(runs, txs):
       bar.set_description(cfg.name)
-      ckpt = _RunCheckpoints(os.path.join(args.out, "checkpoints", cfg.name.replace("/", "__")), args.checkpoint_every)
-      state, previous = ckpt.restore(init_state(cfg, dataset, model, tx)) if args.resume else (None, [])
+      directory = os.path.join(args.out, "checkpoints", cfg.name.replace("/", "__"))
+      if args.backend == "mpi":  # each rank checkpoints its own block of nodes
+        directory = str(rank_directory(directory, backend.rank))
+      ckpt = _RunCheckpoints(directory, args.checkpoint_every, placement)
+      fresh = init_state(cfg, dataset, model, tx, backend)
+      state, previous = ckpt.restore(fresh) if args.resume else (None, [])
       if state is not None:
         bar.update(state.step)
       try:
-        _, history, seconds = timed_run(cfg, dataset, model, tx, progress=bar.update, state=state,
-                                        on_chunk=lambda st, rows: ckpt.save(st, previous + rows))
+        _, history, seconds = timed_run(cfg, dataset, model, tx, progress=bar.update, state=state or fresh,
+                                        on_chunk=lambda st, rows: ckpt.save(st, previous + rows), backend=backend)
       except FloatingPointError as e:
         raise SystemExit(f"{cfg.name}: {e}; try a smaller --lr") from e
       history = previous + history
       results[cfg.name] = {"config": dataclasses.asdict(cfg), "history": history, "seconds": seconds}
 
+  if not placement.is_main:
+    return results
   from gossipjax.train import write_metrics
 
   metrics_path, plot_path = os.path.join(args.out, "metrics.json"), os.path.join(args.out, "plot.png")
   config = {k: v for k, v in vars(args).items() if k != "func"}
+  config["devices"] = placement.num_devices
   write_metrics(metrics_path, {**config, "skipped": skipped}, results)
-  plot(plot_path, results, title=f"{args.nodes} nodes, digits, {args.partition} partition, {jax.default_backend()}")
+  plot(plot_path, results, title=f"{args.nodes} nodes, digits, {args.partition} partition, "
+                                 f"{args.backend} on {placement.num_devices} {placement.unit} ({jax.default_backend()})")
   print(result_table(results))
   for name, reason in skipped.items():
     print(f"skipped {name}: {reason}")
@@ -145,9 +190,24 @@ def train(args: argparse.Namespace) -> dict:
   return results
 
 
+def _request_cpu_devices(args: argparse.Namespace) -> None:
+  """``--devices K`` on a CPU host: XLA makes K CPU devices if told so before its first computation."""
+  if args.backend != "sharded" or not args.devices:
+    return
+  import jax
+
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return  # the user's own setting wins
+  try:
+    jax.config.update("jax_num_cpu_devices", args.devices)
+  except RuntimeError:
+    pass  # jax has already computed in this process (the CLI called from Python): use the devices it has
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   args = build_parser().parse_args(argv)
   if args.command == "train":
+    _request_cpu_devices(args)
     train(args)
 
 

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax.backend import Backend
+from gossipjax.backend import Backend, simulate
 from gossipjax.compress import Compressor
 from gossipjax._src.hyperparams import check_in_range, learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import check_learning_rate, check_node_axis, float_leaves_only, make_mixer, require_params
 
 
 class ChocoState(NamedTuple):
@@ -78,6 +78,9 @@ def choco_sgd(
   check_in_range(consensus_step, "choco_sgd: consensus_step", 0.0, 1.0, low_open=True)
   mixer = make_mixer(topology, backend)
   contraction = compressor.contraction()
+  # Compression is per node; the backend's map keeps it on the device that holds the node (a
+  # vmapped top-k or random permutation over a sharded node axis would otherwise be all-gathered).
+  node_map = (backend or simulate()).map
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)
@@ -99,7 +102,7 @@ def choco_sgd(
     half = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
     keys = jax.vmap(jax.random.split)(state.key)
     diff = jax.tree.map(lambda h, p: h - p, half, state.public)
-    q = jax.vmap(contraction.compress)(diff, keys[:, 1])
+    q = node_map(contraction.compress)(diff, keys[:, 1])
     public = jax.tree.map(lambda p, qi: p + qi, state.public, q)
     if mixer.topology.is_time_varying:
       neighbour_sum = mixer.mix(public, state.count)
@@ -113,7 +116,7 @@ def choco_sgd(
         public=public,
         neighbour_sum=neighbour_sum,
         key=keys[:, 0],
-        message_bits=jax.vmap(contraction.bits)(diff).astype(state.message_bits.dtype),
+        message_bits=node_map(contraction.bits)(diff).astype(state.message_bits.dtype),
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

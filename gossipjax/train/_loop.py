@@ -12,9 +12,11 @@ import numpy as np
 import optax
 from jax import lax
 
+from gossipjax.backend import Backend, simulate
 from gossipjax._src.guard import check_guard, guard_finite, nonfinite_counts
 from gossipjax._src.nodes import check_finite, consensus_distance, init_nodes, node_mean
 from gossipjax.data import Dataset, node_data, partition_by_class, partition_dirichlet, partition_iid, sample_batches
+from gossipjax.train._placement import Placement
 
 
 @dataclasses.dataclass
@@ -35,6 +37,8 @@ class RunConfig:
   seed: int = 0
   log_every: int = 25
   max_bad_steps: int = 10  # a node whose gradient is NaN/inf this many steps in a row stops the run; 0: never
+  model: str = "mlp"  # mlp | cnn, as the main job names them
+  backend: str = "simulate"  # simulate | sharded | mpi, as the main job names them
 
   @property
   def name(self) -> str:
@@ -73,11 +77,13 @@ def guarded(tx: optax.GradientTransformation, cfg: RunConfig) -> optax.GradientT
   return guard_finite(tx, max_consecutive=cfg.max_bad_steps or None)
 
 
-def init_state(cfg: RunConfig, dataset: Dataset, model: Any, tx: optax.GradientTransformation) -> TrainState:
-  """Step 0: every node starts from the same initialisation."""
+def init_state(cfg: RunConfig, dataset: Dataset, model: Any, tx: optax.GradientTransformation,
+               backend: Backend | None = None) -> TrainState:
+  """Step 0: every node starts from the same initialisation, placed where ``backend`` keeps it."""
   tx = guarded(tx, cfg)
   key = jax.random.fold_in(jax.random.key(cfg.seed), 0)
   params = init_nodes(lambda k: model.init(k, jnp.asarray(dataset.x_test[:1])), key, cfg.num_nodes)
+  params = Placement(backend or simulate(), cfg.num_nodes).place(params)
   return TrainState(0, params, tx.init(params))
 
 
@@ -89,62 +95,75 @@ def run(
     progress: Callable[[int], None] | None = None,
     state: TrainState | None = None,
     on_chunk: Callable[[TrainState, list[dict[str, float]]], None] | None = None,
+    backend: Backend | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
   """Trains ``cfg.num_nodes`` stacked copies of ``model`` with ``tx`` and logs metrics.
 
-  The minibatch of step k is drawn from ``fold_in(key, k)``, so the data position is the
-  step counter and a run restored from ``state`` continues exactly. ``tx`` runs behind
+  The minibatch of step k is drawn from ``fold_in(key, k)`` for all n nodes, so the data
+  position is the step counter, a run restored from ``state`` continues exactly, and every
+  backend gives each node the batch the simulation gives it. ``tx`` runs behind
   `gj.guard_finite`: a node whose gradient is NaN/inf skips that step, and the run stops
   with an error naming the node and step once one has skipped ``cfg.max_bad_steps`` steps
   in a row (checked after every ``cfg.log_every`` steps).
 
   Args:
+    tx: built for ``backend`` (e.g. ``gj.gossip_sgd(W, ..., backend=backend)``).
     state: where to start (default: `init_state`); a restored checkpoint continues from it.
     on_chunk: called with the state and the metrics rows so far after every chunk
       (the main job saves checkpoints there).
+    backend: where the nodes live (default: ``gj.backend.simulate()``). Gradients run
+      through ``backend.map``, so each device or rank computes only its own nodes; the
+      metrics are of all n nodes on every backend.
 
   Returns:
-    The final state and one metrics row per ``cfg.log_every`` steps.
+    The final state (this process's nodes) and one metrics row per ``cfg.log_every`` steps.
   """
+  backend = backend or simulate()
+  placement = Placement(backend, cfg.num_nodes)
   key = jax.random.key(cfg.seed)
   data = node_data(dataset.x_train, dataset.y_train, partition(dataset.y_train, cfg))
   x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
   if state is None:
-    state = init_state(cfg, dataset, model, tx)
+    state = init_state(cfg, dataset, model, tx, backend)
   tx = guarded(tx, cfg)
   batch_key = jax.random.fold_in(key, 1)
-  loss_fn = lambda p, x, y: cross_entropy(model.apply, p, x, y)
+  loss_and_grad = backend.map(jax.value_and_grad(lambda p, x, y: cross_entropy(model.apply, p, x, y)))
 
   def one_step(carry, k):
     params, opt_state = carry
-    xb, yb = sample_batches(data, jax.random.fold_in(batch_key, k), cfg.batch_size)
-    loss, grads = jax.vmap(jax.value_and_grad(loss_fn))(params, xb, yb)
+    xb, yb = placement.local(sample_batches(data, jax.random.fold_in(batch_key, k), cfg.batch_size))
+    loss, grads = loss_and_grad(params, xb, yb)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), jnp.mean(loss)
+    return (optax.apply_updates(params, updates), opt_state), loss
 
   @jax.jit
   def chunk(params, opt_state, start):
     (params, opt_state), losses = lax.scan(one_step, (params, opt_state), start + jnp.arange(cfg.log_every))
+    return params, opt_state, jnp.mean(losses, axis=0)  # each node's mean training loss over the chunk
+
+  @jax.jit
+  def evaluate(params, node_losses):
     mean = node_mean(params)
     node_acc = jax.vmap(lambda p: accuracy(model.apply, p, x_test, y_test))(params)
-    metrics = {
-        "train_loss": jnp.mean(losses),
+    return {
+        "train_loss": jnp.mean(node_losses),
         "consensus_distance": consensus_distance(params),
         "test_loss": cross_entropy(model.apply, mean, x_test, y_test),
         "test_accuracy": accuracy(model.apply, mean, x_test, y_test),
         "node_accuracy_mean": jnp.mean(node_acc),
         "node_accuracy_min": jnp.min(node_acc),
     }
-    return params, opt_state, metrics
 
   history = []
   params, opt_state, step = state.params, state.opt_state, state.step
   while step < cfg.steps:
-    params, opt_state, metrics = chunk(params, opt_state, jnp.asarray(step, jnp.int32))
+    params, opt_state, node_losses = chunk(params, opt_state, jnp.asarray(step, jnp.int32))
     step += cfg.log_every
-    check_guard(opt_state, step)
-    check_finite(params, step)
-    skipped = int(nonfinite_counts(opt_state).sum())
+    placement.check_together(check_guard, opt_state, step, placement.first_node)
+    all_params = placement.gather(params)
+    placement.check_together(check_finite, all_params, step)
+    metrics = evaluate(all_params, placement.gather(node_losses))
+    skipped = placement.total(nonfinite_counts(opt_state).sum())
     history.append({"step": step, **{k: float(v) for k, v in metrics.items()}, "skipped_node_steps": skipped})
     state = TrainState(step, params, opt_state)
     if on_chunk is not None:

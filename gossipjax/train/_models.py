@@ -20,3 +20,28 @@ class MLP(nn.Module):
     for width in self.hidden:
       x = nn.relu(nn.Dense(width)(x))
     return nn.Dense(self.num_classes)(x)
+
+
+class CNN(nn.Module):
+  """A small convolutional net: two 3x3 convolutions, a 2x2 average pool and a dense head.
+
+  Attributes:
+    features: channels of the convolutions.
+    num_classes: outputs of the head.
+    image_shape: ``(height, width, channels)`` to unflatten inputs given as ``(..., features)``
+      (the bundled digits are 64 features, ``(8, 8, 1)``); ``None`` when inputs are images.
+  """
+
+  features: Sequence[int] = (8, 16)
+  num_classes: int = 10
+  image_shape: tuple[int, int, int] | None = None
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    if self.image_shape is not None:
+      x = x.reshape(x.shape[:-1] + tuple(self.image_shape))
+    for width in self.features:
+      x = nn.relu(nn.Conv(width, (3, 3))(x))
+    x = nn.avg_pool(x, (2, 2), (2, 2))
+    x = x.reshape(x.shape[:-3] + (-1,))
+    return nn.Dense(self.num_classes)(x)

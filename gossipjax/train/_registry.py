@@ -8,6 +8,7 @@ from typing import Callable
 import optax
 
 from gossipjax import topology as T
+from gossipjax.backend import Backend
 from gossipjax._src.allreduce import allreduce_sgd
 from gossipjax._src.decentlam import decentlam
 from gossipjax._src.exact_diffusion import exact_diffusion
@@ -36,16 +37,16 @@ TOPOLOGIES: dict[str, Callable[[int], T.Topology]] = {
     "complete": T.complete,
 }
 
-# (topology or None, learning rate, beta) -> optax transform. None: needs no topology.
+# (topology or None, learning rate, beta, backend) -> optax transform. None: needs no topology.
 ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
-    "allreduce": lambda topo, lr, beta: allreduce_sgd(lr, beta=beta),
-    "dpsgd": lambda topo, lr, beta: gossip_sgd(topo, beta=0.0, learning_rate=lr),
-    "dmsgd": lambda topo, lr, beta: gossip_sgd(topo, beta=beta, learning_rate=lr),
-    "decentlam": lambda topo, lr, beta: decentlam(topo, beta=beta, learning_rate=lr),
-    "qg_dmsgd": lambda topo, lr, beta: qg_dmsgd(topo, beta=beta, learning_rate=lr),
-    "gradient_tracking": lambda topo, lr, beta: gradient_tracking(topo, learning_rate=lr),
-    "exact_diffusion": lambda topo, lr, beta: exact_diffusion(topo, learning_rate=lr),
-    "extra": lambda topo, lr, beta: extra(topo, learning_rate=lr),
+    "allreduce": lambda topo, lr, beta, be: allreduce_sgd(lr, beta=beta, backend=be),
+    "dpsgd": lambda topo, lr, beta, be: gossip_sgd(topo, beta=0.0, learning_rate=lr, backend=be),
+    "dmsgd": lambda topo, lr, beta, be: gossip_sgd(topo, beta=beta, learning_rate=lr, backend=be),
+    "decentlam": lambda topo, lr, beta, be: decentlam(topo, beta=beta, learning_rate=lr, backend=be),
+    "qg_dmsgd": lambda topo, lr, beta, be: qg_dmsgd(topo, beta=beta, learning_rate=lr, backend=be),
+    "gradient_tracking": lambda topo, lr, beta, be: gradient_tracking(topo, learning_rate=lr, backend=be),
+    "exact_diffusion": lambda topo, lr, beta, be: exact_diffusion(topo, learning_rate=lr, backend=be),
+    "extra": lambda topo, lr, beta, be: extra(topo, learning_rate=lr, backend=be),
 }
 
 NEEDS_NO_TOPOLOGY = frozenset({"allreduce"})
@@ -57,7 +58,8 @@ def make_topology(name: str, n: int) -> T.Topology:
   return TOPOLOGIES[name](n)
 
 
-def make_algorithm(name: str, topo: T.Topology | None, lr: optax.ScalarOrSchedule, beta: float):
+def make_algorithm(name: str, topo: T.Topology | None, lr: optax.ScalarOrSchedule, beta: float,
+                   backend: Backend | None = None):
   if name not in ALGORITHMS:
     raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
-  return ALGORITHMS[name](topo, lr, beta)
+  return ALGORITHMS[name](topo, lr, beta, backend)

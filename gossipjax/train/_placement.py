@@ -1,0 +1,104 @@
+"""Where the main job keeps its n nodes: the same loop on one device, sharded devices, or MPI ranks.
+
+The loop builds global, node-stacked host values (the initial params, each step's batch
+draw) exactly as a simulation does, and a placement turns them into what this process
+holds: all of them (simulate), the same global arrays sharded over a mesh (sharded), or
+this rank's block of B = n / K nodes (mpi). For metrics it gives back every node's params,
+so every backend reports the simulation's numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gossipjax.backend import Backend, Mpi, Sharded, Simulate
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """The nodes a process holds, for one backend.
+
+  Attributes:
+    backend: where the nodes live.
+    num_nodes: n, the global node count.
+  """
+
+  backend: Backend
+  num_nodes: int
+
+  def __post_init__(self):
+    if not isinstance(self.backend, (Simulate, Sharded, Mpi)):
+      raise TypeError(f"the main job runs on gj.backend.simulate(), sharded(mesh) or mpi(), got {self.backend!r}")
+    k = self.num_devices
+    if self.num_nodes % k:
+      raise ValueError(f"{self.num_nodes} nodes do not split evenly over {k} {self.unit}; "
+                       f"use a multiple of {k} nodes")
+
+  @property
+  def num_devices(self) -> int:
+    if isinstance(self.backend, Sharded):
+      return self.backend.num_devices
+    if isinstance(self.backend, Mpi):
+      return self.backend.size
+    return 1
+
+  @property
+  def unit(self) -> str:
+    return {Sharded: "devices", Mpi: "MPI ranks"}.get(type(self.backend), "devices")
+
+  @property
+  def is_main(self) -> bool:
+    """The process that writes files, prints and shows progress (MPI rank 0; otherwise the only one)."""
+    return not isinstance(self.backend, Mpi) or self.backend.rank == 0
+
+  @property
+  def first_node(self) -> int:
+    return self.backend.node_slice(self.num_nodes).start if isinstance(self.backend, Mpi) else 0
+
+  def local(self, tree: Any) -> Any:
+    """This process's share of a tree whose every leaf has the global node axis first (traceable)."""
+    if isinstance(self.backend, Mpi):
+      rows = self.backend.node_slice(self.num_nodes)
+      return jax.tree.map(lambda x: x[rows], tree)
+    return tree
+
+  def place(self, tree: Any) -> Any:
+    """Global node-stacked host values -> this process's arrays, on its devices."""
+    if isinstance(self.backend, Sharded):
+      return self.backend.shard(tree)
+    return jax.tree.map(jnp.asarray, self.local(tree))
+
+  def like(self, tree: Any, fresh: Any) -> Any:
+    """``tree`` (e.g. restored from a checkpoint) placed as ``fresh`` is, leaf by leaf."""
+    return jax.tree.map(lambda x, f: jax.device_put(np.asarray(x), f.sharding), tree, fresh)
+
+  def gather(self, tree: Any) -> Any:
+    """Every node's values, in node order, on every process (MPI: an all-gather of the blocks)."""
+    if isinstance(self.backend, Mpi):
+      blocks = self.backend.comm.allgather(jax.tree.map(np.asarray, tree))
+      return jax.tree.map(lambda *b: jnp.asarray(np.concatenate(b)), *blocks)
+    return tree
+
+  def total(self, value: int) -> int:
+    """A per-process count summed over processes."""
+    if isinstance(self.backend, Mpi):
+      return int(self.backend.comm.allreduce(int(value)))
+    return int(value)
+
+  def check_together(self, check: Any, *args: Any) -> None:
+    """Runs a host-side check on every process; if it raises on any, it raises on all (no rank waits alone)."""
+    error = None
+    try:
+      check(*args)
+    except FloatingPointError as e:
+      error = str(e)
+    if isinstance(self.backend, Mpi):
+      errors = [e for e in self.backend.comm.allgather(error) if e is not None]
+      error = errors[0] if errors else None
+    if error is not None:
+      raise FloatingPointError(error)
