@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gossipjax.backend._precision import accumulation_dtype
 from gossipjax.topology import MixingPlan, Topology
 
 
@@ -178,11 +179,13 @@ def apply_block_plan(plan: BlockPlan, x: jax.Array, device: Any, exchange: Excha
     else:
       send = _take(x, _row(ex.send_rows, device))
     bufs.append(exchange(ex, send, x))
-  out = _weight(_row(plan.self_weight, device), x) * x
+  # Rows travel in the leaf's dtype; 16-bit floats are summed in float32 and rounded once.
+  acc = x.astype(accumulation_dtype(x.dtype))
+  out = _weight(_row(plan.self_weight, device), acc) * acc
   for r in plan.rounds:
     received = _assemble(bufs, _row(r.buffer, device), _row(r.row, device))
-    out = out + _weight(_row(r.weight, device), x) * received
-  return out
+    out = out + _weight(_row(r.weight, device), acc) * received.astype(acc.dtype)
+  return out if acc.dtype == x.dtype else out.astype(x.dtype)
 
 
 def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, exchange: ExchangeFn) -> Any:

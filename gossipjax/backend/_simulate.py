@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gossipjax.backend._precision import accumulation_dtype
 from gossipjax.topology import MixingPlan, Topology
 
 
@@ -21,7 +22,11 @@ def _weight(w: np.ndarray, like: jax.Array) -> Any:
 
 
 def apply_plan(plan: MixingPlan, x: jax.Array) -> jax.Array:
-  """``W x`` for one leaf with all n nodes on axis 0, in O(degree * n * d)."""
+  """``W x`` for one leaf with all n nodes on axis 0, in O(degree * n * d).
+
+  16-bit floats are summed in float32 and rounded once (see `accumulation_dtype`).
+  """
+  leaf_dtype, x = x.dtype, x.astype(accumulation_dtype(x.dtype))
   out = _weight(plan.self_weight, x) * x
   for r in plan.rounds:
     if r.shift is not None:
@@ -29,7 +34,7 @@ def apply_plan(plan: MixingPlan, x: jax.Array) -> jax.Array:
     else:
       received = jnp.take(x, jnp.asarray(r.src), axis=0)
     out = out + _weight(r.weight, x) * received
-  return out
+  return out if x.dtype == leaf_dtype else out.astype(leaf_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +82,11 @@ def _plan_table(plans) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def _apply_table_row(self_w: jax.Array, src: jax.Array, w: jax.Array, x: jax.Array) -> jax.Array:
   shape = (-1,) + (1,) * (x.ndim - 1)
+  leaf_dtype, x = x.dtype, x.astype(accumulation_dtype(x.dtype))
   out = self_w.astype(x.dtype).reshape(shape) * x
   for c in range(src.shape[0]):
     out = out + w[c].astype(x.dtype).reshape(shape) * jnp.take(x, src[c], axis=0)
-  return out
+  return out if x.dtype == leaf_dtype else out.astype(leaf_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
