@@ -7,7 +7,7 @@ from typing import Any
 import optax
 
 from gossipjax.backend import Backend, simulate
-from gossipjax._src.mixing import check_learning_rate, check_momentum
+from gossipjax._src.mixing import check_learning_rate, check_momentum, float_leaves_only
 
 
 def all_reduce(backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
@@ -18,7 +18,8 @@ def all_reduce(backend: Backend | None = None) -> optax.GradientTransformationEx
     del params, extra_args
     return backend.mean(updates), state
 
-  return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn),
+                           keep_other_updates=True)
 
 
 def allreduce_sgd(
@@ -46,4 +47,4 @@ def allreduce_sgd(
   if not (isinstance(beta, (int, float)) and beta == 0):
     parts.append(optax.trace(decay=beta))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  return optax.chain(*parts)
+  return float_leaves_only(optax.chain(*parts))

@@ -10,7 +10,9 @@ import numpy as np
 import optax
 
 from gossipjax.backend import Backend
-from gossipjax._src.mixing import check_learning_rate, check_momentum, check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import (
+    check_learning_rate, check_momentum, check_node_axis, float_leaves_only, make_mixer, require_params,
+)
 
 
 def _check_symmetric(topology, beta) -> None:
@@ -87,4 +89,4 @@ def decentlam(
     updates = jax.tree.map(lambda m: (-lr * m).astype(m.dtype), mom)
     return updates, DecentLaMState(count=optax.safe_increment(state.count), momentum=mom)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

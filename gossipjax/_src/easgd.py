@@ -10,8 +10,8 @@ import optax
 from jax import lax
 
 from gossipjax.backend import Backend, simulate
-from gossipjax._src.hyperparams import check_in_range, check_positive_int, learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, require_params
+from gossipjax._src.hyperparams import check_in_range, check_period, learning_rate_at
+from gossipjax._src.mixing import check_learning_rate, float_leaves_only, require_params
 
 
 class EASGDState(NamedTuple):
@@ -52,7 +52,7 @@ def easgd(
   check_learning_rate(learning_rate, "gj.easgd")
   check_in_range(alpha, "gj.easgd: alpha", 0.0, 1.0)
   check_in_range(beta, "gj.easgd: beta", 0.0, 1.0)
-  every = check_positive_int(every, "easgd: every")
+  every = check_period(every, "easgd: every")
   backend = backend or simulate()
 
   def init_fn(params):
@@ -73,4 +73,4 @@ def easgd(
     updates, center = lax.cond(state.count % every == 0, elastic, lambda sgd: (sgd, state.center), sgd)
     return updates, EASGDState(count=optax.safe_increment(state.count), center=center)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -10,7 +10,9 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params, require_static
+from gossipjax._src.mixing import (
+    check_learning_rate, check_node_axis, float_leaves_only, make_mixer, require_params, require_static,
+)
 
 
 class ExactDiffusionState(NamedTuple):
@@ -49,7 +51,8 @@ def exact_diffusion(
   require_static(mixer, "exact_diffusion")
 
   def init_fn(params):
-    return ExactDiffusionState(count=jnp.zeros([], jnp.int32), psi=jax.tree.map(jnp.asarray, params))
+    # A copy, not a view: a jitted step that donates both params and state needs distinct buffers.
+    return ExactDiffusionState(count=jnp.zeros([], jnp.int32), psi=jax.tree.map(jnp.copy, params))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
@@ -62,4 +65,4 @@ def exact_diffusion(
     updates = jax.tree.map(lambda wp, p, x: (0.5 * (p + wp) - x).astype(x.dtype), mixed, phi, params)
     return updates, ExactDiffusionState(count=optax.safe_increment(state.count), psi=psi)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -10,7 +10,9 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params, require_static
+from gossipjax._src.mixing import (
+    check_learning_rate, check_node_axis, float_leaves_only, make_mixer, require_params, require_static,
+)
 
 
 class ExtraState(NamedTuple):
@@ -51,7 +53,8 @@ def extra(
   require_static(mixer, "extra")
 
   def init_fn(params):
-    return ExtraState(count=jnp.zeros([], jnp.int32), correction=jax.tree.map(jnp.asarray, params))
+    # A copy, not a view: a jitted step that donates both params and state needs distinct buffers.
+    return ExtraState(count=jnp.zeros([], jnp.int32), correction=jax.tree.map(jnp.copy, params))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
@@ -64,4 +67,4 @@ def extra(
     correction = jax.tree.map(lambda x, wx, g: 0.5 * (x + wx) - (lr * g).astype(x.dtype), params, mixed, grads)
     return updates, ExtraState(count=optax.safe_increment(state.count), correction=correction)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

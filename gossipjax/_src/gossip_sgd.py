@@ -8,7 +8,7 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.mix import mix
-from gossipjax._src.mixing import check_learning_rate, check_momentum
+from gossipjax._src.mixing import check_learning_rate, check_momentum, float_leaves_only
 
 
 def gossip_sgd(
@@ -48,4 +48,4 @@ def gossip_sgd(
   if not (isinstance(beta, (int, float)) and beta == 0):
     parts.append(optax.trace(decay=beta))
   parts += [optax.scale_by_learning_rate(learning_rate), mix(topology, backend=backend)]
-  return optax.chain(*parts)
+  return float_leaves_only(optax.chain(*parts))

@@ -10,7 +10,7 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import check_learning_rate, check_node_axis, float_leaves_only, make_mixer, require_params
 
 
 class GradientTrackingState(NamedTuple):
@@ -68,4 +68,4 @@ def gradient_tracking(
     correction = jax.tree.map(lambda wy, g: wy - g.astype(wy.dtype), mixed_y, grads)
     return updates, GradientTrackingState(count=optax.safe_increment(state.count), correction=correction)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

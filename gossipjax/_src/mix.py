@@ -11,7 +11,8 @@ from jax import lax
 
 from gossipjax.backend import Backend
 from gossipjax._src.guard import SkipNodes, zero_skipped
-from gossipjax._src.mixing import check_node_axis, make_mixer, require_params
+from gossipjax._src.hyperparams import check_period
+from gossipjax._src.mixing import check_node_axis, float_leaves_only, make_mixer, require_params
 
 
 class MixState(NamedTuple):
@@ -31,7 +32,8 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
   Args:
     topology: a ``gj.topology`` (doubly stochastic), a dense matrix or a networkx graph.
     every: gossip every ``every`` steps and apply ``u`` locally in between (local SGD);
-      W advances one step of its period per gossip round.
+      W advances one step of its period per gossip round. Under
+      ``optax.inject_hyperparams`` it may be a traced integer (it can change between steps).
     backend: where the nodes live (default: ``gj.backend.simulate()``).
 
   Under ``gj.guard_finite`` the update takes the extra arg ``skip_nodes``: those nodes'
@@ -45,8 +47,7 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
     >>> [round(float(v), 4) for v in (x + u).ravel()]  # each node: mean of itself and its two ring neighbours
     [1.3333, 1.0, 2.0, 1.6667]
   """
-  if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-    raise ValueError(f"mix: every must be a positive integer, got {every!r}")
+  every = check_period(every, "mix: every")
   mixer = make_mixer(topology, backend)
 
   def init_fn(params):
@@ -64,11 +65,11 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
       mixed = mixer.mix(x_half, state.count // every)
       return jax.tree.map(lambda m, x: (m - x).astype(x.dtype), mixed, params)
 
-    if every == 1:
+    if isinstance(every, int) and every == 1:
       new_updates = gossip(x_half)
     else:
       local = jax.tree.map(lambda u, x: u.astype(x.dtype), updates, params)  # both branches: params' dtypes
       new_updates = lax.cond(state.count % every == every - 1, gossip, lambda _: local, x_half)
     return new_updates, MixState(count=optax.safe_increment(state.count))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn), keep_other_updates=True)

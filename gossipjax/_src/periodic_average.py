@@ -10,8 +10,8 @@ import optax
 from jax import lax
 
 from gossipjax.backend import Backend, simulate
-from gossipjax._src.hyperparams import check_positive_int
-from gossipjax._src.mixing import require_params
+from gossipjax._src.hyperparams import check_period
+from gossipjax._src.mixing import float_leaves_only, require_params
 
 
 class PeriodicAverageState(NamedTuple):
@@ -38,7 +38,7 @@ def periodic_average(every: int, backend: Backend | None = None) -> optax.Gradie
     every: H, the period of the global average.
     backend: where the nodes live (default: simulate); provides the all-reduce.
   """
-  every = check_positive_int(every, "periodic_average: every")
+  every = check_period(every, "periodic_average: every")
   backend = backend or simulate()
 
   def init_fn(params):
@@ -57,4 +57,4 @@ def periodic_average(every: int, backend: Backend | None = None) -> optax.Gradie
     new_updates = lax.cond(state.count % every == every - 1, average, lambda u: u, updates)
     return new_updates, PeriodicAverageState(count=optax.safe_increment(state.count))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn), keep_other_updates=True)

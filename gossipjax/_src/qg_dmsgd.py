@@ -10,7 +10,9 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.hyperparams import check_in_range, learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, check_momentum, check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import (
+    check_learning_rate, check_momentum, check_node_axis, float_leaves_only, make_mixer, require_params,
+)
 
 
 class QGMomentumState(NamedTuple):
@@ -74,4 +76,4 @@ def qg_dmsgd(
     return updates, QGMomentumState(count=optax.safe_increment(state.count),
                                     momentum=jax.tree.map(momentum, state.momentum, updates))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -10,7 +10,9 @@ import optax
 
 from gossipjax.backend import Backend
 from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, check_momentum, check_node_axis, make_mixer, require_params
+from gossipjax._src.mixing import (
+    check_learning_rate, check_momentum, check_node_axis, float_leaves_only, make_mixer, require_params,
+)
 
 
 class SGPState(NamedTuple):
@@ -90,4 +92,4 @@ def sgp(
     updates = jax.tree.map(lambda zi, x: (zi / per_node(w, x) - x).astype(x.dtype), z, params)
     return updates, SGPState(count=optax.safe_increment(state.count), push_weight=w, momentum=momentum)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))
