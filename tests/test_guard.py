@@ -165,3 +165,48 @@ def test_guard_on_the_sharded_backend_equals_simulation():
     outs.append(np.asarray(u))
   assert np.isfinite(outs[0]).all()
   np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=1e-12)
+
+
+NAN_AT_STEP_2 = lambda count: jnp.where(count == 2, jnp.nan, 0.05)  # a warm-up formula gone wrong at one step
+NAN_LR_CASES = {
+    "gossip_sgd": lambda: gj.gossip_sgd(gj.topology.ring(N), beta=0.9, learning_rate=NAN_AT_STEP_2),
+    "adam+mix": lambda: optax.chain(optax.adam(NAN_AT_STEP_2), gj.mix(gj.topology.ring(N))),
+    "decentlam": lambda: gj.decentlam(gj.topology.ring(N), beta=0.9, learning_rate=NAN_AT_STEP_2),
+    "gradient_tracking": lambda: gj.gradient_tracking(gj.topology.ring(N), learning_rate=NAN_AT_STEP_2),
+}
+
+
+@pytest.mark.parametrize("name", list(NAN_LR_CASES))
+def test_a_nan_learning_rate_skips_the_step_and_is_counted(name):
+  """The gradients are finite, the update is not: every node skips that step, its state kept."""
+  tx = gj.guard_finite(NAN_LR_CASES[name](), max_consecutive=2)
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(N, D)))
+  state = tx.init(x)
+  update = jax.jit(tx.update)
+  for k in range(5):
+    before = state.inner_state
+    u, state = update(jnp.asarray(rng.normal(size=(N, D))), state, x)
+    x = optax.apply_updates(x, u)
+    assert np.isfinite(x).all(), f"step {k}"
+    per_node = lambda s: [leaf for leaf in jax.tree.leaves(s) if leaf.ndim and leaf.shape[0] == N]
+    if k == 2:
+      np.testing.assert_array_equal(u, np.zeros((N, D)))
+      for a, b in zip(per_node(state.inner_state), per_node(before)):
+        np.testing.assert_array_equal(a, b)
+    else:
+      assert (np.asarray(u) != 0).any()
+    gj.check_guard(state, step=k)
+  assert gj.nonfinite_counts(state).tolist() == [1] * N
+
+
+def test_an_overflowing_update_skips_its_node_and_the_neighbours_that_mixed_it():
+  tx = gj.guard_finite(gj.gossip_sgd(gj.topology.ring(N), learning_rate=1.0))
+  x = jnp.ones((N, D), jnp.float32).at[3].set(3e38)
+  g = jnp.ones((N, D), jnp.float32).at[3].set(-3e38)  # finite, but x - g overflows at node 3
+  u, state = jax.jit(tx.update)(g, tx.init(x), x)
+  skipped = [0, 0, 1, 1, 1, 0, 0, 0]
+  assert gj.nonfinite_counts(state).tolist() == skipped
+  assert np.isfinite(u).all()
+  np.testing.assert_array_equal(np.asarray(u)[np.asarray(skipped, bool)], 0)
+  np.testing.assert_allclose(np.asarray(u)[[0, 1, 5, 6, 7]], -1.0, rtol=1e-6)

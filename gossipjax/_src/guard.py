@@ -1,4 +1,4 @@
-"""``guard_finite``: a node whose gradient has a NaN or inf skips its step instead of poisoning the graph."""
+"""``guard_finite``: a node whose gradient or update has a NaN or inf skips its step instead of poisoning the graph."""
 
 from __future__ import annotations
 
@@ -63,10 +63,12 @@ def _num_nodes(tree: Any, what: str) -> int:
   return sizes.pop()
 
 
-def _bad_nodes(grads: Any, n: int) -> jax.Array:
+def _bad_nodes(tree: Any, n: int) -> jax.Array:
+  """Per node, whether any floating-point leaf of ``tree`` holds a NaN or inf (other leaves are finite)."""
   bad = jnp.zeros((n,), bool)
-  for g in jax.tree.leaves(grads):
-    bad = bad | ~jnp.isfinite(g).reshape(n, -1).all(axis=1)
+  for x in jax.tree.leaves(tree):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      bad = bad | ~jnp.isfinite(x).reshape(n, -1).all(axis=1)
   return bad
 
 
@@ -82,8 +84,9 @@ def _keep_old_for_bad(new: Any, old: Any, bad: jax.Array, n: int) -> Any:
   return jax.tree.map(pick, new, old)
 
 
-def guard_finite(inner: optax.GradientTransformation, max_consecutive: int | None = 10) -> optax.GradientTransformationExtraArgs:
-  r"""Wraps ``inner`` so that a node with a NaN/inf gradient skips its step.
+def guard_finite(inner: optax.GradientTransformation,
+                 max_consecutive: int | None = 10) -> optax.GradientTransformationExtraArgs:
+  r"""Wraps ``inner`` so that a node with a NaN/inf gradient or update skips its step.
 
   At every step each node's gradient is checked (all leaves). For a node ``i`` with a
   non-finite entry anywhere:
@@ -103,7 +106,14 @@ def guard_finite(inner: optax.GradientTransformation, max_consecutive: int | Non
      skipped gradient leaves no trace. Scalar state (step counts) advances for every node,
      so the schedule and the time-varying W(k) stay in step across nodes.
 
-  ``nonfinite_count`` (see `gj.nonfinite_counts`) counts the skipped steps per node and
+  The update ``inner`` returns is checked too, node by node: a NaN learning rate from a
+  schedule, or a step that overflows, makes it non-finite from finite gradients. Such a
+  node skips the step in the same way: its update is zero and its per-node state is kept
+  (a NaN learning rate therefore skips the step on every node). Where a node's NaN
+  reached its neighbours through mixing, they skip too.
+
+  ``nonfinite_count`` (see `gj.nonfinite_counts`) counts the skipped steps per node, for
+  either cause, and
   ``consecutive`` the current streak; `gj.check_guard` raises ``FloatingPointError``
   naming the node once a streak reaches ``max_consecutive``. Under a backend that splits
   the nodes (MPI, sharded) the guard sees, and counts, the local block of nodes.
@@ -142,10 +152,12 @@ def guard_finite(inner: optax.GradientTransformation, max_consecutive: int | Non
     safe = jax.tree.map(lambda g: jnp.where(_per_node(bad, g), jnp.zeros_like(g), g), grads)
     skip = SkipNodes(bad)
     updates, inner_state = inner.update(safe, state.inner_state, params, skip_nodes=skip, **extra_args)
-    if not skip.handled:
-      updates = zero_skipped(updates, SkipNodes(bad))
-    inner_state = _keep_old_for_bad(inner_state, state.inner_state, bad, n)
-    bad_i = bad.astype(jnp.int32)
+    # The gradient check cannot see a NaN learning rate or an overflow inside ``inner``.
+    bad_update = _bad_nodes(updates, n)
+    skipped = bad | bad_update
+    updates = zero_skipped(updates, SkipNodes(bad_update if skip.handled else skipped))
+    inner_state = _keep_old_for_bad(inner_state, state.inner_state, skipped, n)
+    bad_i = skipped.astype(jnp.int32)
     return updates, GuardFiniteState(
         inner_state=inner_state,
         nonfinite_count=state.nonfinite_count + bad_i,
@@ -167,7 +179,7 @@ def _find_guard_state(state: Any) -> GuardFiniteState:
 
 
 def nonfinite_counts(state: Any) -> np.ndarray:
-  """Per node, how many steps `guard_finite` skipped for a NaN/inf gradient (a host NumPy array).
+  """Per node, how many steps `guard_finite` skipped for a NaN/inf gradient or update (a host NumPy array).
 
   ``state`` is the optimizer state, or any tree holding exactly one `guard_finite` state.
   """
@@ -196,6 +208,6 @@ def check_guard(state: Any, step: int, first_node: int = 0) -> None:
     i = int(stuck[0])
     others = f" (also node(s) {', '.join(str(int(j) + first_node) for j in stuck[1:6])})" if stuck.size > 1 else ""
     raise FloatingPointError(
-        f"node {i + first_node} had a NaN/inf gradient at {int(streak[i])} consecutive steps, the last at step "
-        f"{step} (limit max_consecutive={limit}){others}; its data or its params have gone bad"
+        f"node {i + first_node} had a NaN/inf gradient or update at {int(streak[i])} consecutive steps, "
+        f"the last at step {step} (limit max_consecutive={limit}){others}; its data or its params have gone bad"
     )
