@@ -192,7 +192,7 @@ def test_benchmark_suite_quick(tmp_path):
   out = tmp_path / "results.json"
   bench_main.main(["--quick", "--no-torch", "--json", str(out),
                    "--only", "optimizer_bandwidth", "kernel_schedules", "dmsgd_step", "memory", "compile_time", "scale",
-                   "resnet20_gpu"])
+                   "node_parallel", "resnet20_gpu"])
   r = json.loads(out.read_text())["benchmarks"]
   assert set(r["optimizer_bandwidth"]["fraction_of_copy_bandwidth"]) >= {
       "gossipjax_ring(8)", "hand_fused_ring", "gossip_sgd_step_one_peer_exponential(8)"}
@@ -215,5 +215,10 @@ def test_benchmark_suite_quick(tmp_path):
   assert r["memory"]["donated"]["peak"] < r["memory"]["not_donated"]["peak"]
   assert all(c == 1 for c in r["compile_time"]["compilations_over_two_periods"].values())
   assert set(r["scale"]["node_steps_per_s"]) == {"4", "16"} and all(v > 0 for v in r["scale"]["node_steps_per_s"].values())
+  rows = r["node_parallel"]["rows"]
+  assert set(rows) == {f"{sweep}_{k}" for sweep in ("weak", "strong") for k in (1, 2, 4, 8)}
+  assert all(row["seconds_per_step"] > 0 for row in rows.values())
+  for k in (2, 4, 8):  # a fixed n split over k devices: each does about 1/k of the FLOPs
+    assert 0.9 / k < rows[f"strong_{k}"]["flops_per_device_ratio_to_1_device"] < 1.3 / k
   if jax.devices()[0].platform != "gpu":
     assert "skipped" in r["resnet20_gpu"]
