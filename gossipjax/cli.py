@@ -9,49 +9,142 @@ import sys
 from typing import Sequence
 
 
-def _csv(s: str) -> list[str]:
-  return [x.strip() for x in s.split(",") if x.strip()]
+class _Parser(argparse.ArgumentParser):
+  """Bad input ends with one line naming the option and what it allows, and exit status 2 (no usage dump)."""
+
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _names(kind: str, allowed: Sequence[str]):
+  """A comma-separated list of names, each one of ``allowed``."""
+
+  def parse(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+      raise argparse.ArgumentTypeError(f"give at least one {kind}, from: {', '.join(allowed)}")
+    unknown = [x for x in names if x not in allowed]
+    if unknown:
+      raise argparse.ArgumentTypeError(f"unknown {kind} {', '.join(map(repr, unknown))}; choose from: {', '.join(allowed)}")
+    return names
+
+  return parse
+
+
+def _integer(low: int, what: str):
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an integer; it must be {what}") from None
+    if value < low:
+      raise argparse.ArgumentTypeError(f"{value} is out of range; it must be {what}")
+    return value
+
+  return parse
+
+
+def _real(what: str, low: float, high: float = float("inf"), low_open: bool = False, high_open: bool = True):
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not a number; it must be {what}") from None
+    ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok or value != value:  # NaN compares false to everything
+      raise argparse.ArgumentTypeError(f"{value} is out of range; it must be {what}")
+    return value
+
+  return parse
+
+
+# What must match between a checkpointed job and a --resume of it: the runs, and what each run computes.
+RESUME_OPTIONS = ("algorithms", "topologies", "nodes", "lr", "beta", "seed", "batch_size", "partition", "alpha",
+                  "model", "log_every", "backend")
 
 
 def build_parser() -> argparse.ArgumentParser:
   from gossipjax.train import ALGORITHMS, TOPOLOGIES
 
-  p = argparse.ArgumentParser(prog="gossipjax", description=__doc__)
-  sub = p.add_subparsers(dest="command", required=True)
+  p = _Parser(prog="gossipjax", description=__doc__)
+  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
   t = sub.add_parser("train", help="train a model on the bundled handwritten digits with n decentralized nodes",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   t.add_argument("--backend", choices=["simulate", "sharded", "mpi"], default="simulate",
                  help="where the nodes live: all on one device, split over this host's devices "
                       "(shard_map + ppermute), or over MPI ranks (launch with `mpiexec -n K gossipjax train "
                       "--backend mpi`); every backend reports the simulation's numbers")
-  t.add_argument("--devices", type=int, default=None,
+  t.add_argument("--devices", type=_integer(1, "a positive integer"), default=None,
                  help="sharded: how many devices to split the nodes over (default: all; on a CPU host, "
                       "that many CPU devices are made)")
   t.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="an MLP with one hidden layer, or a small CNN")
-  t.add_argument("--algorithms", type=_csv, default=["allreduce", "dpsgd", "dmsgd", "decentlam"],
-                 help=f"comma-separated, from: {', '.join(ALGORITHMS)}")
-  t.add_argument("--topologies", type=_csv, default=["ring", "exponential", "symmetric_exponential"],
-                 help=f"comma-separated, from: {', '.join(TOPOLOGIES)}")
-  t.add_argument("--nodes", type=int, default=16, help="number of simulated nodes")
-  t.add_argument("--steps", type=int, default=500, help="training steps per run")
-  t.add_argument("--batch-size", type=int, default=16, help="per node")
-  t.add_argument("--lr", type=float, default=0.1, help="learning rate")
-  t.add_argument("--beta", type=float, default=0.9, help="momentum (dpsgd uses 0)")
+  t.add_argument("--algorithms", type=_names("algorithm", tuple(ALGORITHMS)),
+                 default=["allreduce", "dpsgd", "dmsgd", "decentlam"], help=f"comma-separated, from: {', '.join(ALGORITHMS)}")
+  t.add_argument("--topologies", type=_names("topology", tuple(TOPOLOGIES)),
+                 default=["ring", "exponential", "symmetric_exponential"], help=f"comma-separated, from: {', '.join(TOPOLOGIES)}")
+  t.add_argument("--nodes", type=_integer(2, "an integer of at least 2"), default=16, help="number of nodes")
+  t.add_argument("--steps", type=_integer(1, "a positive integer"), default=500, help="training steps per run")
+  t.add_argument("--batch-size", type=_integer(1, "a positive integer"), default=16, help="per node")
+  t.add_argument("--lr", type=_real("a finite number > 0", 0.0, low_open=True), default=0.1, help="learning rate")
+  t.add_argument("--beta", type=_real("a number in [0, 1)", 0.0, 1.0), default=0.9, help="momentum (dpsgd uses 0)")
   t.add_argument("--partition", choices=["iid", "dirichlet", "by_class"], default="dirichlet",
                  help="how the training set is split over the nodes")
-  t.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label-skew concentration")
-  t.add_argument("--log-every", type=int, default=25, help="steps per jitted chunk and metrics row")
-  t.add_argument("--seed", type=int, default=0, help="seeds the init, the partition and the batches")
-  t.add_argument("--max-bad-steps", type=int, default=10,
+  t.add_argument("--alpha", type=_real("a finite number > 0", 0.0, low_open=True), default=0.5,
+                 help="Dirichlet label-skew concentration")
+  t.add_argument("--log-every", type=_integer(1, "a positive integer"), default=25,
+                 help="steps per jitted chunk and metrics row")
+  t.add_argument("--seed", type=_integer(0, "a non-negative integer"), default=0,
+                 help="seeds the init, the partition and the batches")
+  t.add_argument("--max-bad-steps", type=_integer(0, "a non-negative integer"), default=10,
                  help="stop when a node's gradient is NaN/inf this many steps in a row (it skips those steps); 0: never")
   t.add_argument("--out", default="runs/train", help="directory for metrics.json and plot.png")
   t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-  t.add_argument("--checkpoint-every", type=int, default=100,
+  t.add_argument("--checkpoint-every", type=_integer(0, "a non-negative integer"), default=100,
                  help="save each run's full state every this many steps (a multiple of --log-every); 0: never")
   t.add_argument("--resume", action="store_true",
                  help="continue every run from its newest checkpoint in OUT/checkpoints (bit-for-bit the same "
-                      "as an uninterrupted run); runs without one start from step 0")
+                      "as an uninterrupted run); runs without one start from step 0. Refused when the "
+                      f"checkpoints were written with other values of: {', '.join('--' + o.replace('_', '-') for o in RESUME_OPTIONS)}")
+  t.add_argument("--allow-changed-options", action="store_true",
+                 help="with --resume: continue even where those options differ from the checkpointed job's")
+  p.set_defaults(parser=t)
   return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+  """Checks between options; errors go through the parser (one line, exit status 2)."""
+  fail = args.parser.error
+  if args.steps % args.log_every:
+    fail(f"argument --steps: {args.steps} must be a multiple of --log-every ({args.log_every})")
+  if args.checkpoint_every % args.log_every:
+    fail(f"argument --checkpoint-every: {args.checkpoint_every} must be a multiple of --log-every ({args.log_every})")
+  if args.devices is not None and args.backend != "sharded":
+    fail(f"argument --devices: only the sharded backend takes it, not --backend {args.backend}")
+  if args.allow_changed_options and not args.resume:
+    fail("argument --allow-changed-options: only with --resume")
+
+
+def _check_resume(args: argparse.Namespace, is_main: bool) -> None:
+  """Refuses a --resume whose options differ from those the checkpoints were written with."""
+  import json
+
+  path = os.path.join(args.out, "checkpoints", "job.json")
+  now = {k: getattr(args, k) for k in RESUME_OPTIONS}
+  if args.resume and os.path.exists(path):
+    with open(path) as f:
+      then = json.load(f)
+    differ = [k for k in RESUME_OPTIONS if k in then and then[k] != now[k]]
+    if differ and not args.allow_changed_options:
+      show = lambda v: ",".join(map(str, v)) if isinstance(v, list) else str(v)
+      was = ", ".join(f"--{k.replace('_', '-')} {show(then[k])}" for k in differ)
+      asked = ", ".join(f"--{k.replace('_', '-')} {show(now[k])}" for k in differ)
+      args.parser.error(f"argument --resume: the checkpoints in {args.out} were written with {was}, not {asked}; "
+                        "pass the same options, or add --allow-changed-options to continue anyway")
+  if is_main and args.checkpoint_every:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+      json.dump(now, f)
+    os.replace(path + ".tmp", path)
 
 
 def _make_backend(args: argparse.Namespace):
@@ -66,7 +159,8 @@ def _make_backend(args: argparse.Namespace):
   devices = jax.devices()
   k = args.devices or len(devices)
   if k > len(devices):
-    raise SystemExit(f"--devices {k}: only {len(devices)} {jax.default_backend()} device(s) are visible")
+    args.parser.error(f"argument --devices: {k} asked for, but only {len(devices)} {jax.default_backend()} "
+                      "device(s) are visible")
   mesh = jax.make_mesh((k,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices[:k])
   return gj.backend.sharded(mesh)
 
@@ -118,12 +212,13 @@ def train(args: argparse.Namespace) -> dict:
   from gossipjax.train._placement import Placement
   from gossipjax.train._registry import NEEDS_NO_TOPOLOGY
 
-  if args.steps % args.log_every:
-    raise SystemExit(f"--steps ({args.steps}) must be a multiple of --log-every ({args.log_every})")
-  if args.checkpoint_every % args.log_every:
-    raise SystemExit(f"--checkpoint-every ({args.checkpoint_every}) must be a multiple of --log-every ({args.log_every})")
+  _check_args(args)
   backend = _make_backend(args)
-  placement = Placement(backend, args.nodes)
+  try:
+    placement = Placement(backend, args.nodes)
+  except ValueError as e:
+    args.parser.error(f"argument --nodes: {e}")
+  _check_resume(args, placement.is_main)
   dataset = load_digits(seed=args.seed)
   if args.model == "cnn":
     model = CNN(num_classes=dataset.num_classes, image_shape=(8, 8, 1))
@@ -141,7 +236,10 @@ def train(args: argparse.Namespace) -> dict:
   # algorithm cannot run on (DecentLaM on a directed graph) is skipped with its reason.
   txs, skipped = [], {}
   for c in list(runs):
-    topo = make_topology(c.topology, c.num_nodes) if c.topology else None
+    try:
+      topo = make_topology(c.topology, c.num_nodes) if c.topology else None
+    except ValueError as e:
+      args.parser.error(f"argument --topologies: {c.topology} on --nodes {c.num_nodes}: {e}")
     try:
       txs.append(make_algorithm(c.algorithm, topo, c.learning_rate, c.beta, backend))
     except ValueError as e:
@@ -178,7 +276,7 @@ def train(args: argparse.Namespace) -> dict:
   from gossipjax.train import write_metrics
 
   metrics_path, plot_path = os.path.join(args.out, "metrics.json"), os.path.join(args.out, "plot.png")
-  config = {k: v for k, v in vars(args).items() if k != "func"}
+  config = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
   config["devices"] = placement.num_devices
   write_metrics(metrics_path, {**config, "skipped": skipped}, results)
   plot(plot_path, results, title=f"{args.nodes} nodes, digits, {args.partition} partition, "
@@ -201,7 +299,10 @@ def _request_cpu_devices(args: argparse.Namespace) -> None:
   try:
     jax.config.update("jax_num_cpu_devices", args.devices)
   except RuntimeError:
-    pass  # jax has already computed in this process (the CLI called from Python): use the devices it has
+    return  # jax has already computed in this process (the CLI called from Python): use the devices it has
+  from gossipjax.backend import _cpu_threads
+
+  _cpu_threads.reserve_collective_threads()  # gossipjax's import saw one device; size the pool for these
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,6 +1,10 @@
+import argparse
 import json
+import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gossipjax import cli
 
@@ -24,13 +28,84 @@ def test_train_writes_metrics_plot_and_table(tmp_path, capsys):
   assert results is None
 
 
-def test_bad_arguments_fail_clearly(tmp_path):
-  with pytest.raises(SystemExit, match="multiple of --log-every"):
-    cli.main(["train", "--steps", "30", "--log-every", "25", "--out", str(tmp_path)])
-  with pytest.raises(ValueError, match="unknown topology 'moebius'"):
-    cli.main(["train", "--topologies", "moebius", "--steps", "25", "--out", str(tmp_path)])
-  with pytest.raises(ValueError, match="unknown algorithm"):
-    cli.main(["train", "--algorithms", "magic", "--steps", "25", "--out", str(tmp_path)])
+BAD_OPTIONS = [
+    (["--log-every", "-25"], "argument --log-every: -25 is out of range; it must be a positive integer"),
+    (["--steps", "0"], "argument --steps: 0 is out of range"),
+    (["--nodes", "0"], "argument --nodes: 0 is out of range; it must be an integer of at least 2"),
+    (["--algorithms", "magic"], "argument --algorithms: unknown algorithm 'magic'; choose from: allreduce"),
+    (["--topologies", "moebius"], "argument --topologies: unknown topology 'moebius'; choose from: ring"),
+    (["--lr", "nan"], "argument --lr: nan is out of range; it must be a finite number > 0"),
+    (["--lr", "-1"], "argument --lr: -1.0 is out of range"),
+    (["--lr", "inf"], "argument --lr: inf is out of range"),
+    (["--beta", "1"], "argument --beta: 1.0 is out of range; it must be a number in [0, 1)"),
+    (["--batch-size", "x"], "argument --batch-size: 'x' is not an integer"),
+    (["--steps", "30"], "argument --steps: 30 must be a multiple of --log-every (25)"),
+    (["--checkpoint-every", "30"], "argument --checkpoint-every: 30 must be a multiple of --log-every (25)"),
+    (["--topologies", "hypercube", "--nodes", "12", "--steps", "25"], "argument --topologies: hypercube on --nodes 12"),
+    (["--devices", "2"], "argument --devices: only the sharded backend takes it"),
+    (["--backend", "sharded", "--devices", "3", "--nodes", "8"], "argument --nodes: 8 nodes do not split evenly over 3"),
+    (["--allow-changed-options"], "argument --allow-changed-options: only with --resume"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_OPTIONS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_options_fail_with_one_line_and_status_2(tmp_path, capsys, argv, message):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["train", "--no-progress", "--out", str(tmp_path)] + argv)
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("gossipjax train: error: ") and message in err, err
+  assert "Traceback" not in err and not (tmp_path / "metrics.json").exists()
+
+
+@settings(max_examples=40, deadline=None)
+@given(option=st.sampled_from(["--nodes", "--steps", "--batch-size", "--log-every", "--seed", "--max-bad-steps",
+                               "--checkpoint-every", "--devices"]),
+       value=st.one_of(st.integers(-10**6, 10**6).map(str), st.floats(allow_nan=True).map(repr), st.text(max_size=4)))
+def test_integer_options_parse_or_name_themselves(option, value):
+  low = {"--nodes": 2, "--seed": 0, "--max-bad-steps": 0, "--checkpoint-every": 0}.get(option, 1)
+  parser = cli.build_parser()
+  try:
+    args = parser.parse_args(["train", f"{option}={value}"])
+  except SystemExit as e:
+    assert e.code == 2
+    with pytest.raises(argparse.ArgumentTypeError, match="integer"):
+      parser._subparsers._group_actions[0].choices["train"]._option_string_actions[option].type(value)
+  else:
+    parsed = getattr(args, option[2:].replace("-", "_"))
+    assert parsed == int(value) and parsed >= low
+
+
+@settings(max_examples=40, deadline=None)
+@given(value=st.floats(allow_nan=True, allow_infinity=True))
+def test_learning_rate_parses_only_finite_positive_numbers(value):
+  parser = cli.build_parser()
+  ok = math.isfinite(value) and value > 0
+  try:
+    args = parser.parse_args(["train", f"--lr={value!r}"])
+  except SystemExit as e:
+    assert e.code == 2 and not ok
+  else:
+    assert ok and args.lr == value
+
+
+def test_resume_refuses_changed_options_unless_allowed(tmp_path, capsys):
+  common = ["train", "--nodes", "4", "--steps", "25", "--log-every", "25", "--checkpoint-every", "25", "--no-progress",
+            "--algorithms", "dmsgd", "--topologies", "ring", "--out", str(tmp_path)]
+  cli.main(common)
+  capsys.readouterr()
+  for changed, shown in ((["--lr", "0.05"], "--lr 0.1, not --lr 0.05"), (["--seed", "3"], "--seed 0, not --seed 3"),
+                         (["--nodes", "8"], "--nodes 4, not --nodes 8"),
+                         (["--topologies", "exponential"], "--topologies ring, not --topologies exponential"),
+                         (["--algorithms", "decentlam"], "--algorithms dmsgd, not --algorithms decentlam")):
+    with pytest.raises(SystemExit) as exit_:
+      cli.main(common + ["--steps", "50", "--resume"] + changed)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --resume: the checkpoints in" in err and shown in err and "--allow-changed-options" in err, err
+  cli.main(common + ["--steps", "50", "--resume", "--lr", "0.05", "--allow-changed-options"])
+  rows = json.loads((tmp_path / "metrics.json").read_text())["runs"]["dmsgd/ring"]["history"]
+  assert [r["step"] for r in rows] == [25, 50]
 
 
 def test_resume_continues_bit_for_bit(tmp_path):
