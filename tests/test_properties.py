@@ -56,6 +56,31 @@ def test_families_are_doubly_stochastic_and_plan_equals_dense(family, n):
   _assert_plans_equal_dense(topo)
 
 
+def _connected_over_a_period(topo):
+  """Every node reaches every other through the union of the period's graphs."""
+  union = sum(topo.matrix(k) > 0 for k in range(topo.period)) > 0
+  reach = np.eye(topo.num_nodes, dtype=bool)
+  for _ in range(topo.num_nodes):
+    reach = reach | ((reach.astype(int) @ union.astype(int)) > 0)
+  assert reach.all(), topo
+
+
+@FAST
+@given(n=st.integers(2, 40), seed=st.integers(0, 2**31 - 1), p=st.floats(0.05, 1.0))
+def test_random_families_are_stochastic_connected_and_plans_equal_dense(n, seed, p):
+  pairs = T.random_pairs(n, seed=seed, period=4)
+  _assert_doubly_stochastic(pairs)
+  _assert_plans_equal_dense(pairs)
+  try:
+    er = T.erdos_renyi(n, p, seed=seed)
+  except ValueError as e:  # a disconnected draw must be refused, and by name
+    assert "disconnected" in str(e)
+  else:
+    _assert_doubly_stochastic(er)
+    _assert_plans_equal_dense(er)
+    _connected_over_a_period(er)
+
+
 @st.composite
 def adjacency(draw, symmetric=True):
   n = draw(st.integers(1, 14))
