@@ -33,9 +33,6 @@ def worker(process_id, num_processes, coordinator):
   step = jax.jit(p.make_step(tx))
   for _ in range(p.STEPS):
     x, state = step(x, state, a, b)
-    # CPU only: with several devices per process, jax 0.10.2's gloo collectives hung here when
-    # steps were queued without waiting (with one device per process they did not).
-    x.block_until_ready()
   # Gather the global params to every process (for printing only; training never gathers).
   full = jax.jit(lambda v: v, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(x)
   if process_id == 0:

@@ -22,6 +22,7 @@ def main():
   step = jax.pmap(p.make_step(tx), axis_name="nodes")
   for _ in range(p.STEPS):
     x, state = step(x, state, a, b)
+  print(f"params in blocks of {x.shape[1]} nodes on {len(x.sharding.device_set)} devices")
   unblock = lambda v: v.reshape((-1,) + v.shape[2:])
   p.report("pmapped", unblock(x), unblock(a), unblock(b))
 

@@ -149,20 +149,23 @@ def test_shard_rejects_an_uneven_leaf(backend):
   assert backend.shard(np.ones((16, 2))).sharding.spec == P("nodes")
 
 
-def _run_example(name, timeout=120, **env):
+def _run_example(name, timeout=120):
+  """An example's stdout, run as a user runs it: on the devices it asks for, with no setting of ours."""
   import os
   import subprocess
 
-  env = dict(os.environ, XLA_FLAGS="", **env)
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
   res = subprocess.run([sys.executable, str(cases.EXAMPLES / name)], env=env, capture_output=True, text=True,
                        timeout=timeout)
   assert res.returncode == 0, res.stderr[-3000:]
-  return cases.example_numbers(res.stdout)
+  return res.stdout
 
 
 @pytest.mark.slow
 def test_examples_simulate_sharded_pmapped_print_the_same_numbers():
-  (want,) = _run_example("simulate.py")
+  (want,) = cases.example_numbers(_run_example("simulate.py"))
   for name in ("sharded.py", "pmapped.py"):
-    (got,) = _run_example(name)
+    out = _run_example(name)
+    assert re.search(rf"\b(on|over) {K} devices", out), out  # the script's own CPU devices, not one
+    (got,) = cases.example_numbers(out)
     np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._blocks import BlockPlan, check_divisible, compile_topology, mix_blocks
 from gossipjax.topology import Topology
@@ -68,6 +69,7 @@ class Pmapped:
   def mixer(self, topology: Topology) -> PmappedMixer:
     k = self.num_devices
     check_divisible(topology, k, f"devices of pmap axis {self.axis_name!r}")
+    _cpu_threads.check_collective_threads(jax.local_devices()[:k], "gj.backend.pmapped")
     return PmappedMixer(topology, self.axis_name, k, compile_topology(topology, k))
 
   def mean(self, tree: Any) -> Any:

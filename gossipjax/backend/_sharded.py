@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
 from gossipjax.backend._blocks import BlockPlan, check_divisible, compile_topology, mix_blocks
 from gossipjax.topology import Topology
@@ -78,6 +79,7 @@ class Sharded:
           f"{self.axis!r}; build it with e.g. jax.make_mesh(({len(self.mesh.devices.flat)},), "
           f"({self.axis!r},)) or pass axis= one of its names"
       )
+    _cpu_threads.check_collective_threads(self.mesh.devices.flat, "gj.backend.sharded")
 
   @property
   def num_devices(self) -> int:

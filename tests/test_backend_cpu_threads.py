@@ -1,0 +1,116 @@
+"""Multi-device steps queued without waiting never deadlock XLA's CPU client (gossipjax sizes its thread pool)."""
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from gossipjax.backend import _cpu_threads as cpu
+
+K = 8  # conftest gives 8 CPU devices
+
+# A user's loop: 8 CPU devices, one-peer exponential gossip (a lax.switch of ppermutes), no wait
+# on any step. It runs more steps than XLA's 32 programs in flight per device, so the host gets
+# far enough ahead to reach the state that deadlocked the client before gossipjax sized it.
+UNSYNCHRONISED_STEPS = 100
+_CHILD = textwrap.dedent(f"""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={K}"
+    import jax
+    import numpy as np
+    import optax
+    import gossipjax as gj
+
+    mesh = jax.make_mesh(({K},), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,))
+    backend = gj.backend.sharded(mesh)
+    tx = gj.gossip_sgd(gj.topology.one_peer_exponential(16), beta=0.9, learning_rate=0.1, backend=backend)
+    x = backend.shard(np.zeros((16, 4), np.float32))
+    target = backend.shard(np.arange(64, dtype=np.float32).reshape(16, 4))
+    state = tx.init(x)
+
+    @jax.jit
+    def step(x, state):
+      updates, state = tx.update(x - target, state, x)
+      return optax.apply_updates(x, updates), state
+
+    for _ in range({UNSYNCHRONISED_STEPS}):
+      x, state = step(x, state)
+    print("finished", float(np.asarray(x).sum()))
+""")
+
+
+def _fresh_env():
+  # The child must get its pool from importing gossipjax, not inherit this process's setting.
+  drop = ("XLA_FLAGS", "PJRT_NPROC", "NPROC")
+  return dict({k: v for k, v in os.environ.items() if k not in drop}, JAX_PLATFORMS="cpu")
+
+
+def _run_child(timeout):
+  try:
+    res = subprocess.run([sys.executable, "-c", _CHILD], env=_fresh_env(), capture_output=True, text=True,
+                         timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return f"hung for {timeout} s"
+  if res.returncode != 0 or "finished" not in res.stdout:
+    lines = res.stderr.strip().splitlines() or [""]
+    cause = next((line for line in lines if "Termination timeout" in line), lines[-1])
+    return f"exit {res.returncode}: {cause[-300:]}"
+  return None
+
+
+@pytest.mark.slow
+def test_ten_fresh_processes_of_unsynchronised_steps_all_finish():
+  # Two at a time: the machines this runs on have two cores. A deadlocked child aborts on XLA's
+  # 40 s rendezvous timeout; the subprocess timeout only keeps a different hang from stalling CI.
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    failures = [f for f in pool.map(lambda _: _run_child(timeout=150), range(10)) if f]
+  assert not failures, f"{len(failures)} of 10 processes did not finish: {failures}"
+
+
+def test_this_process_has_the_threads_its_devices_need():
+  # conftest forced K CPU devices before gossipjax was imported, so the pool was sized in time.
+  assert jax.local_device_count() == K
+  assert cpu.pool_size(K) >= cpu.threads_needed(K)
+  # The live client: XLA sizes its intra-op pool ("XLAEigen" threads) from the same number.
+  tasks = "/proc/self/task"
+  if not os.path.isdir(tasks):
+    pytest.skip("no /proc to count the client's threads")
+  jax.numpy.zeros(1).block_until_ready()
+  names = []
+  for tid in os.listdir(tasks):
+    try:
+      with open(f"{tasks}/{tid}/comm") as f:
+        names.append(f.read())
+    except OSError:
+      pass  # a thread that ended while listing
+  eigen = sum("XLAEigen" in name for name in names)
+  if not eigen:
+    pytest.skip("XLA's CPU threads carry another name in this version")
+  assert eigen >= cpu.threads_needed(K)
+
+
+def test_pjrt_nproc_is_set_only_where_the_pool_would_be_too_small():
+  assert cpu.pjrt_nproc_setting(8, {}, cores=2) == "16"
+  assert cpu.pjrt_nproc_setting(8, {}, cores=16) is None
+  assert cpu.pjrt_nproc_setting(1, {}, cores=2) is None
+  assert cpu.pjrt_nproc_setting(8, {"NPROC": "4"}, cores=64) == "16"  # XLA reads NPROC before the cores
+  assert cpu.pjrt_nproc_setting(8, {"PJRT_NPROC": "4"}, cores=2) is None  # the user's own choice stands
+  assert cpu.pjrt_nproc_setting(8, {"PJRT_NPROC": ""}, cores=2) == "16"  # XLA ignores a value it cannot read
+
+
+def test_requested_cpu_devices_reads_the_flag_and_the_jax_option():
+  flags = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=4"}
+  assert cpu.requested_cpu_devices(flags) == 4
+  assert cpu.requested_cpu_devices(flags, num_cpu_devices=6) == 6
+  assert cpu.requested_cpu_devices({}) == 1
+
+
+def test_a_client_started_with_too_few_threads_is_reported(monkeypatch):
+  mesh = jax.make_mesh((K,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,))
+  monkeypatch.setenv("PJRT_NPROC", "2")
+  with pytest.warns(RuntimeWarning, match="PJRT_NPROC=16"):
+    cpu.check_collective_threads(mesh.devices.flat, "gj.backend.sharded")
