@@ -36,11 +36,12 @@ def node_loss(x, a, b):
   return 0.5 * jnp.mean((a @ x - b) ** 2)
 
 
-def make_step(tx):
-  """One optimizer step for a block of nodes (all of them, or one device's / rank's share)."""
+def make_step(tx, backend):
+  """One optimizer step, the same on every backend: each node's gradient where the node lives, then the gossip."""
+  grad_fn = backend.map(jax.grad(node_loss))  # vmap over the nodes this device / rank / process holds
 
   def step(x, state, a, b):
-    grads = jax.vmap(jax.grad(node_loss))(x, a, b)
+    grads = grad_fn(x, a, b)
     updates, state = tx.update(grads, state, x)
     return optax.apply_updates(x, updates), state
 

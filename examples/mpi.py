@@ -18,7 +18,7 @@ def main():
   tx = p.optimizer(backend)
   x, a, b = (v[mine] for v in p.data())
   state = tx.init(x)
-  step = jax.jit(p.make_step(tx))
+  step = jax.jit(p.make_step(tx, backend))
   for _ in range(p.STEPS):
     x, state = step(x, state, a, b)
   blocks = backend.comm.gather(np.asarray(x), root=0)  # only to print the global numbers

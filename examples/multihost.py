@@ -30,7 +30,7 @@ def worker(process_id, num_processes, coordinator):
   tx = p.optimizer(backend)
   x, a, b = (backend.shard(v) for v in p.data())  # every process passes the full arrays
   state = jax.jit(tx.init)(x)
-  step = jax.jit(p.make_step(tx))
+  step = jax.jit(p.make_step(tx, backend))
   for _ in range(p.STEPS):
     x, state = step(x, state, a, b)
   # Gather the global params to every process (for printing only; training never gathers).

@@ -21,7 +21,7 @@ def main():
   tx = p.optimizer(backend)
   x, a, b = (backend.shard(v) for v in p.data())  # leading node axis split over the mesh
   state = tx.init(x)
-  step = jax.jit(p.make_step(tx))
+  step = jax.jit(p.make_step(tx, backend))
   for _ in range(p.STEPS):
     x, state = step(x, state, a, b)
   print(f"params sharded as {x.sharding.spec} over {jax.device_count()} devices")

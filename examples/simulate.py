@@ -10,10 +10,11 @@ import gossipjax as gj
 
 
 def main():
-  tx = p.optimizer(gj.backend.simulate())  # the default: same as leaving backend out
+  backend = gj.backend.simulate()  # the default: same as leaving backend out
+  tx = p.optimizer(backend)
   x, a, b = p.data()
   state = tx.init(x)
-  step = jax.jit(p.make_step(tx))
+  step = jax.jit(p.make_step(tx, backend))
   for _ in range(p.STEPS):
     x, state = step(x, state, a, b)
   p.report("simulate", x, a, b)
