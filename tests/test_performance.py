@@ -216,7 +216,7 @@ def test_benchmark_suite_quick(tmp_path):
   assert all(c == 1 for c in r["compile_time"]["compilations_over_two_periods"].values())
   assert set(r["scale"]["node_steps_per_s"]) == {"4", "16"} and all(v > 0 for v in r["scale"]["node_steps_per_s"].values())
   rows = r["node_parallel"]["rows"]
-  assert set(rows) == {f"{sweep}_{k}" for sweep in ("weak", "strong") for k in (1, 2, 4, 8)}
+  assert set(rows) == {f"{sweep}_{k}" for sweep in ("weak", "strong") for k in (1, 2, 4, 8)} | {"plain_vmap"}
   assert all(row["seconds_per_step"] > 0 for row in rows.values())
   for k in (2, 4, 8):  # a fixed n split over k devices: each does about 1/k of the FLOPs
     assert 0.9 / k < rows[f"strong_{k}"]["flops_per_device_ratio_to_1_device"] < 1.3 / k
