@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from gossipjax import cli
 
 ARGS = ["train", "--nodes", "8", "--steps", "50", "--log-every", "25", "--no-progress", "--checkpoint-every", "0",
         "--algorithms", "dmsgd,gradient_tracking", "--topologies", "ring,one_peer_exponential"]
@@ -66,8 +65,3 @@ def test_mpi_main_job_equals_the_simulation(simulated, tmp_path):
   assert got["config"]["devices"] == 4 and got["config"]["backend"] == "mpi"
   assert out.count("| dmsgd/ring |") == 1  # only rank 0 prints the table
   _assert_same_metrics(got, simulated)
-
-
-def test_sharded_main_job_rejects_an_uneven_split(tmp_path):
-  with pytest.raises(ValueError, match="8 nodes do not split evenly over 3 devices"):
-    cli.main(ARGS + ["--backend", "sharded", "--devices", "3", "--out", str(tmp_path)])

@@ -76,7 +76,8 @@ def test_ranks_with_different_topologies_are_told_which_ranks_differ():
     family, size = re.findall(rf"^rank {r}: (.*)$", res.stdout, flags=re.MULTILINE)
     assert re.search(r"exponential\(4\) with n=4 on ranks 0, 2, 3; ring\(4\) with n=4 on rank 1\b", family), family
     assert re.search(r"ring\(16\) with n=16 on ranks 0, 2, 3; ring\(20\) with n=20 on rank 1\b", size), size
-  assert sorted(re.findall(r"^rank (\d) finished$", res.stdout, flags=re.MULTILINE)) == ["0", "1", "2", "3"]
+  # mpiexec forwards each rank's writes as they come, so two ranks' lines may share one line of the output.
+  assert sorted(re.findall(r"rank (\d) finished", res.stdout)) == ["0", "1", "2", "3"], res.stdout[-3000:]
   assert "MPI_Abort" not in res.stdout, res.stdout[-3000:]
 
 

@@ -7,6 +7,7 @@ different n). Rank 0 prints every rank's errors. The ranks then finish together,
 after the others, and the job must exit 0: a staggered but complete finish is no early exit.
 """
 
+import sys
 import time
 
 import gossipjax as gj
@@ -33,7 +34,8 @@ def main() -> None:
       for e in errs:
         print(f"rank {r}: {e}", flush=True)
     time.sleep(1.0)
-  print(f"rank {rank} finished", flush=True)
+  sys.stdout.write(f"rank {rank} finished\n")  # one write: under PYTHONUNBUFFERED, print writes the newline apart
+  sys.stdout.flush()
 
 
 if __name__ == "__main__":
