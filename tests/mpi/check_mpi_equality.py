@@ -80,7 +80,8 @@ def main() -> int:
   if rank == 0:
     lines = [f"rank {r}: FAIL {e}" for r, _, _, errs in reports for e in errs]
     lines += [f"rank {r}/{size}: OK {c} trajectories, max error {w:.2e}" for r, c, w, errs in reports if not errs]
-    print("\n".join(lines), flush=True)
+    sys.stdout.write("\n".join(lines) + "\n")  # one write, so mpiexec never joins two ranks' lines
+    sys.stdout.flush()
   return 1 if errors else 0
 
 

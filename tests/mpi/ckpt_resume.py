@@ -64,4 +64,5 @@ else:
 leaves = jax.tree.leaves(jax.tree.map(lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(
     x.dtype, jax.dtypes.prng_key) else x, state))
 np.savez(f"{out_dir}/{mode}_rank{rank}.npz", *[np.asarray(x) for x in leaves])
-print(f"rank {rank}/{backend.size}: {mode} done at step {int(state['step'])}", flush=True)
+sys.stdout.write(f"rank {rank}/{backend.size}: {mode} done at step {int(state['step'])}\n")  # one write
+sys.stdout.flush()
