@@ -60,11 +60,12 @@ def _real(what: str, low: float, high: float = float("inf"), low_open: bool = Fa
 
 # What must match between a checkpointed job and a --resume of it: the runs, and what each run computes.
 RESUME_OPTIONS = ("algorithms", "topologies", "nodes", "lr", "beta", "seed", "batch_size", "partition", "alpha",
-                  "model", "log_every", "backend")
+                  "model", "log_every", "backend", "compressor", "compress_fraction", "consensus_step", "average_every")
 
 
 def build_parser() -> argparse.ArgumentParser:
   from gossipjax.train import ALGORITHMS, TOPOLOGIES
+  from gossipjax.train._registry import COMPRESSORS
 
   p = _Parser(prog="gossipjax", description=__doc__)
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -87,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--batch-size", type=_integer(1, "a positive integer"), default=16, help="per node")
   t.add_argument("--lr", type=_real("a finite number > 0", 0.0, low_open=True), default=0.1, help="learning rate")
   t.add_argument("--beta", type=_real("a number in [0, 1)", 0.0, 1.0), default=0.9, help="momentum (dpsgd uses 0)")
+  t.add_argument("--compressor", choices=list(COMPRESSORS), default="top_k", help="choco: the compressor")
+  t.add_argument("--compress-fraction", type=_real("a number in (0, 1]", 0.0, 1.0, low_open=True, high_open=False),
+                 default=0.1, help="choco with top_k or random_k: the fraction of entries each message keeps")
+  t.add_argument("--consensus-step", type=_real("a number in (0, 1]", 0.0, 1.0, low_open=True, high_open=False),
+                 default=0.3, help="choco: the consensus step size (too large for the compressor diverges)")
+  t.add_argument("--average-every", type=_integer(1, "a positive integer"), default=10,
+                 help="dmsgd_pga: steps between global averages")
   t.add_argument("--partition", choices=["iid", "dirichlet", "by_class"], default="dirichlet",
                  help="how the training set is split over the nodes")
   t.add_argument("--alpha", type=_real("a finite number > 0", 0.0, low_open=True), default=0.5,
@@ -99,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="stop when a node's gradient is NaN/inf this many steps in a row (it skips those steps); 0: never")
   t.add_argument("--out", default="runs/train", help="directory for metrics.json and plot.png")
   t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-  t.add_argument("--checkpoint-every", type=_integer(0, "a non-negative integer"), default=100,
-                 help="save each run's full state every this many steps (a multiple of --log-every); 0: never")
+  t.add_argument("--checkpoint-every", type=_integer(0, "a non-negative integer"), default=0,
+                 help="save each run's full state in OUT/checkpoints every this many steps (a multiple of "
+                      "--log-every), for --resume; 0: never")
   t.add_argument("--resume", action="store_true",
                  help="continue every run from its newest checkpoint in OUT/checkpoints (bit-for-bit the same "
                       "as an uninterrupted run); runs without one start from step 0. Refused when the "
@@ -210,7 +219,7 @@ def train(args: argparse.Namespace) -> dict:
   from gossipjax.train import (ALGORITHMS, CNN, MLP, RunConfig, init_state, make_algorithm, make_topology, plot,
                                result_table, timed_run)
   from gossipjax.train._placement import Placement
-  from gossipjax.train._registry import NEEDS_NO_TOPOLOGY
+  from gossipjax.train._registry import NEEDS_NO_TOPOLOGY, AlgorithmOptions
 
   _check_args(args)
   backend = _make_backend(args)
@@ -241,7 +250,8 @@ def train(args: argparse.Namespace) -> dict:
     except ValueError as e:
       args.parser.error(f"argument --topologies: {c.topology} on --nodes {c.num_nodes}: {e}")
     try:
-      txs.append(make_algorithm(c.algorithm, topo, c.learning_rate, c.beta, backend))
+      options = AlgorithmOptions(args.compressor, args.compress_fraction, args.consensus_step, args.average_every)
+      txs.append(make_algorithm(c.algorithm, topo, c.learning_rate, c.beta, backend, options))
     except ValueError as e:
       if topo is None or c.algorithm not in ALGORITHMS:
         raise
@@ -279,8 +289,10 @@ def train(args: argparse.Namespace) -> dict:
   config = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
   config["devices"] = placement.num_devices
   write_metrics(metrics_path, {**config, "skipped": skipped}, results)
-  plot(plot_path, results, title=f"{args.nodes} nodes, digits, {args.partition} partition, "
-                                 f"{args.backend} on {placement.num_devices} {placement.unit} ({jax.default_backend()})")
+  where = (f"{args.backend} on {placement.num_devices} {placement.unit}" if placement.num_devices > 1
+           else args.backend)
+  plot(plot_path, results, title=f"{args.nodes} nodes, {args.model} on digits, {args.partition} partition, "
+                                 f"{where} ({jax.default_backend()})")
   print(result_table(results))
   for name, reason in skipped.items():
     print(f"skipped {name}: {reason}")

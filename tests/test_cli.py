@@ -135,3 +135,22 @@ def test_exact_methods_run_and_static_only_ones_skip_time_varying_graphs(tmp_pat
   metrics = json.loads((tmp_path / "metrics.json").read_text())
   assert set(metrics["runs"]) == {"gradient_tracking/one_peer_exponential"}
   assert "needs a static W" in metrics["config"]["skipped"]["extra/one_peer_exponential"]
+
+
+def test_every_algorithm_and_the_cnn_run_without_checkpoints_by_default(tmp_path):
+  cli.main(["train", "--steps", "25", "--nodes", "4", "--no-progress", "--out", str(tmp_path), "--model", "cnn",
+            "--algorithms", "choco,sgp,dmsgd_pga,d_adam,easgd", "--topologies", "ring", "--compressor", "sign",
+            "--consensus-step", "0.2", "--average-every", "5"])
+  metrics = json.loads((tmp_path / "metrics.json").read_text())
+  assert set(metrics["runs"]) == {"choco/ring", "sgp/ring", "dmsgd_pga/ring", "d_adam/ring", "easgd"}
+  assert metrics["runs"]["dmsgd_pga/ring"]["history"][-1]["consensus_distance"] < 1e-10  # averaged at step 25
+  assert metrics["config"]["compressor"] == "sign" and metrics["config"]["model"] == "cnn"
+  assert not (tmp_path / "checkpoints").exists()  # checkpoints are opt-in
+
+
+def test_plot_legend_gives_each_algorithm_its_real_momentum():
+  from gossipjax.train._report import _label
+
+  assert _label({"algorithm": "dpsgd", "beta": 0.9}) == "dpsgd (β = 0)"
+  assert _label({"algorithm": "dmsgd", "beta": 0.9}) == "dmsgd (β = 0.9)"
+  assert _label({"algorithm": "gradient_tracking", "beta": 0.9}) == "gradient_tracking"

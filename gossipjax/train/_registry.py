@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
 import optax
 
+import gossipjax as gj
+from gossipjax import compress
 from gossipjax import topology as T
 from gossipjax.backend import Backend
-from gossipjax._src.allreduce import allreduce_sgd
-from gossipjax._src.decentlam import decentlam
-from gossipjax._src.exact_diffusion import exact_diffusion
-from gossipjax._src.extra import extra
-from gossipjax._src.gossip_sgd import gossip_sgd
-from gossipjax._src.gradient_tracking import gradient_tracking
-from gossipjax._src.qg_dmsgd import qg_dmsgd
 
 
 def _square_factors(n: int) -> tuple[int, int]:
@@ -37,19 +33,57 @@ TOPOLOGIES: dict[str, Callable[[int], T.Topology]] = {
     "complete": T.complete,
 }
 
-# (topology or None, learning rate, beta, backend) -> optax transform. None: needs no topology.
-ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
-    "allreduce": lambda topo, lr, beta, be: allreduce_sgd(lr, beta=beta, backend=be),
-    "dpsgd": lambda topo, lr, beta, be: gossip_sgd(topo, beta=0.0, learning_rate=lr, backend=be),
-    "dmsgd": lambda topo, lr, beta, be: gossip_sgd(topo, beta=beta, learning_rate=lr, backend=be),
-    "decentlam": lambda topo, lr, beta, be: decentlam(topo, beta=beta, learning_rate=lr, backend=be),
-    "qg_dmsgd": lambda topo, lr, beta, be: qg_dmsgd(topo, beta=beta, learning_rate=lr, backend=be),
-    "gradient_tracking": lambda topo, lr, beta, be: gradient_tracking(topo, learning_rate=lr, backend=be),
-    "exact_diffusion": lambda topo, lr, beta, be: exact_diffusion(topo, learning_rate=lr, backend=be),
-    "extra": lambda topo, lr, beta, be: extra(topo, learning_rate=lr, backend=be),
+COMPRESSORS: dict[str, Callable[[float], compress.Compressor]] = {
+    "top_k": compress.top_k,
+    "random_k": compress.random_k,
+    "sign": lambda fraction: compress.sign(),
+    "qsgd": lambda fraction: compress.qsgd(levels=16),
+    "threshold_mean": lambda fraction: compress.threshold_mean(),
+    "identity": lambda fraction: compress.identity(),
 }
 
-NEEDS_NO_TOPOLOGY = frozenset({"allreduce"})
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmOptions:
+  """What some algorithms take beyond the learning rate and momentum (the main job's flags).
+
+  Attributes:
+    compressor: CHOCO-SGD's compressor, a name in ``COMPRESSORS``.
+    compress_fraction: the fraction of entries ``top_k`` and ``random_k`` keep.
+    consensus_step: CHOCO-SGD's consensus step size, in (0, 1].
+    average_every: DmSGD with periodic global averaging: steps between all-reduces.
+  """
+
+  compressor: str = "top_k"
+  compress_fraction: float = 0.1
+  consensus_step: float = 0.3
+  average_every: int = 10
+
+
+# (topology or None, learning rate, beta, backend, options) -> optax transform. None: needs no topology.
+ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "allreduce": lambda topo, lr, beta, be, o: gj.allreduce_sgd(lr, beta=beta, backend=be),
+    "dpsgd": lambda topo, lr, beta, be, o: gj.gossip_sgd(topo, beta=0.0, learning_rate=lr, backend=be),
+    "dmsgd": lambda topo, lr, beta, be, o: gj.gossip_sgd(topo, beta=beta, learning_rate=lr, backend=be),
+    "decentlam": lambda topo, lr, beta, be, o: gj.decentlam(topo, beta=beta, learning_rate=lr, backend=be),
+    "qg_dmsgd": lambda topo, lr, beta, be, o: gj.qg_dmsgd(topo, beta=beta, learning_rate=lr, backend=be),
+    "gradient_tracking": lambda topo, lr, beta, be, o: gj.gradient_tracking(topo, learning_rate=lr, backend=be),
+    "exact_diffusion": lambda topo, lr, beta, be, o: gj.exact_diffusion(topo, learning_rate=lr, backend=be),
+    "extra": lambda topo, lr, beta, be, o: gj.extra(topo, learning_rate=lr, backend=be),
+    "sgp": lambda topo, lr, beta, be, o: gj.sgp(topo, learning_rate=lr, beta=beta, backend=be),
+    "choco": lambda topo, lr, beta, be, o: gj.choco_sgd(
+        topo, lr, COMPRESSORS[o.compressor](o.compress_fraction), consensus_step=o.consensus_step, backend=be),
+    "dmsgd_pga": lambda topo, lr, beta, be, o: optax.chain(
+        gj.gossip_sgd(topo, beta=beta, learning_rate=lr, backend=be), gj.periodic_average(o.average_every, backend=be)),
+    "d_adam": lambda topo, lr, beta, be, o: optax.chain(optax.adam(lr, b1=beta), gj.mix(topo, backend=be)),
+    "easgd": lambda topo, lr, beta, be, o: gj.easgd(learning_rate=lr, backend=be),
+}
+
+# The momentum each algorithm runs with, for legends: the --beta flag, none, or a fixed value.
+MOMENTUM = {"dpsgd": 0.0, "gradient_tracking": None, "exact_diffusion": None, "extra": None, "choco": None,
+            "easgd": None}
+
+NEEDS_NO_TOPOLOGY = frozenset({"allreduce", "easgd"})
 
 
 def make_topology(name: str, n: int) -> T.Topology:
@@ -59,7 +93,7 @@ def make_topology(name: str, n: int) -> T.Topology:
 
 
 def make_algorithm(name: str, topo: T.Topology | None, lr: optax.ScalarOrSchedule, beta: float,
-                   backend: Backend | None = None):
+                   backend: Backend | None = None, options: AlgorithmOptions | None = None):
   if name not in ALGORITHMS:
     raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
-  return ALGORITHMS[name](topo, lr, beta, backend)
+  return ALGORITHMS[name](topo, lr, beta, backend, options or AlgorithmOptions())

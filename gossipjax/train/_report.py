@@ -28,25 +28,65 @@ def write_metrics(path: str, config: dict[str, Any], results: dict[str, dict[str
   os.replace(tmp, path)
 
 
+# Consensus distances below this are exact consensus up to round-off (AllReduce keeps the nodes
+# equal): drawn on a log axis they would stretch it over ten decades and flatten every other curve.
+EXACT_CONSENSUS = 1e-10
+
+
+def _label(config: dict[str, Any]) -> str:
+  """The algorithm with the momentum it really runs with (D-PSGD: none, whatever --beta says)."""
+  from gossipjax.train._registry import MOMENTUM
+
+  algorithm = config["algorithm"]
+  beta = MOMENTUM.get(algorithm, config.get("beta"))
+  if algorithm in MOMENTUM and beta is None:
+    return algorithm
+  return f"{algorithm} (β = {beta:g})"
+
+
 def plot(path: str, results: dict[str, dict[str, Any]], title: str = "") -> None:
-  """Training loss, consensus distance and test accuracy of the mean model, per step."""
+  """Training loss, consensus distance and test accuracy of the mean model, per step.
+
+  One colour per algorithm (its legend entry gives the momentum it runs with) and one line
+  style per topology. Runs at exact consensus (AllReduce) are left off the consensus panel's
+  log axis, and the panel says so.
+  """
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.lines import Line2D
 
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  configs = {name: r.get("config", {"algorithm": name, "topology": None}) for name, r in results.items()}
+  algorithms = list(dict.fromkeys(c["algorithm"] for c in configs.values()))
+  topologies = list(dict.fromkeys(c.get("topology") for c in configs.values() if c.get("topology")))
+  colours = {a: plt.get_cmap("tab10")(i % 10) for i, a in enumerate(algorithms)}
+  styles = {t: s for t, s in zip(topologies, ["-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))] * 4)}
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+  exact = []
   for name, r in results.items():
+    c = configs[name]
+    look = {"color": colours[c["algorithm"]], "linestyle": styles.get(c.get("topology"), "-"), "linewidth": 1.6}
     steps = [h["step"] for h in r["history"]]
-    axes[0].plot(steps, [h["train_loss"] for h in r["history"]], label=name)
-    axes[1].plot(steps, [max(h["consensus_distance"], 1e-16) for h in r["history"]], label=name)
-    axes[2].plot(steps, [h["test_accuracy"] for h in r["history"]], label=name)
+    axes[0].plot(steps, [h["train_loss"] for h in r["history"]], **look)
+    distance = [h["consensus_distance"] for h in r["history"]]
+    if max(distance) < EXACT_CONSENSUS:
+      exact.append(name)
+    else:
+      axes[1].plot(steps, [max(d, EXACT_CONSENSUS) for d in distance], **look)
+    axes[2].plot(steps, [h["test_accuracy"] for h in r["history"]], **look)
   axes[0].set(yscale="log", xlabel="step", ylabel="training loss (mean over nodes)")
   axes[1].set(yscale="log", xlabel="step", ylabel="consensus distance  1/n sum ||x_i - x̄||²")
+  if exact:
+    axes[1].text(0.98, 0.98, f"not drawn (exact consensus, < {EXACT_CONSENSUS:g}):\n" + ", ".join(exact),
+                 transform=axes[1].transAxes, ha="right", va="top", fontsize=8, color="0.35")
   axes[2].set(xlabel="step", ylabel="test accuracy of the mean model")
   for ax in axes:
     ax.grid(alpha=0.3)
-  axes[2].legend(fontsize=8)
+  handles = [Line2D([], [], color=colours[a], linewidth=2,
+                    label=_label(next(c for c in configs.values() if c["algorithm"] == a))) for a in algorithms]
+  handles += [Line2D([], [], color="0.3", linestyle=styles[t], label=t) for t in topologies]
+  axes[2].legend(handles=handles, fontsize=8, loc="lower right")
   if title:
     fig.suptitle(title)
   fig.tight_layout()
