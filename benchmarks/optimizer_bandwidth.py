@@ -4,9 +4,8 @@
 least read x, m, g and write x, m: five passes over n x d floats. Its bandwidth is those
 bytes over its time, and the target is 80% of the bandwidth of an in-place copy-like pass
 (``x * c``, two passes) timed alongside. ``gossipjax_*`` is ``gj.gossip_sgd`` then
-``optax.apply_updates``; ``gossip_sgd_step_*`` is ``gj.gossip_sgd_step``, the same step as one
-in-place call (the native kernel on the CPU; on the one-peer exponential graph each call takes
-the next W(k) of the period, so the median is over its rounds). A dense ``W @ X`` mixing is timed as the foil,
+``optax.apply_updates`` (on the one-peer exponential graph each call takes the next W(k) of
+the period, so the median is over its rounds). A dense ``W @ X`` mixing is timed as the foil,
 and the same update with no mixing at all (W = I, purely elementwise, in place) as the floor.
 """
 
@@ -33,12 +32,6 @@ def library_update(topology):
     return optax.apply_updates(x, updates), state
 
   return tx, jax.jit(step, donate_argnums=(0, 1))
-
-
-def fused_library_update(topology):
-  """``gj.gossip_sgd_step``: the same step as one in-place call (native kernel on the CPU)."""
-  step = gj.gossip_sgd_step(topology, beta=BETA, learning_rate=LR)
-  return step, jax.jit(step, donate_argnums=(0, 1))
 
 
 def fused_ring_update():
@@ -88,13 +81,9 @@ def run(quick: bool = False) -> dict:
 
     steps[name] = call
 
-  native = {}
   for topo in (gj.topology.ring(n), gj.topology.exponential(n), gj.topology.one_peer_exponential(n)):
     tx, f = library_update(topo)
     stateful(f"gossipjax_{topo.name}", f, tx.init(x0))
-    step, f = fused_library_update(topo)
-    stateful(f"gossip_sgd_step_{topo.name}", f, step.init(x0))
-    native[topo.name] = step.native_status().reason
   stateful("hand_fused_ring", fused_ring_update(), jnp.zeros_like(x0))
   stateful("no_mixing_floor", no_mixing_update(), jnp.zeros_like(x0))
   stateful("dense_matmul_ring", dense_update(gj.topology.ring(n).matrix()), jnp.zeros_like(x0))
@@ -102,7 +91,7 @@ def run(quick: bool = False) -> dict:
   copy_bw = copy_bytes / times["copy"]
   step_bytes = PASSES * n * d * 4
   out = {"num_nodes": n, "floats_per_node": d, "copy_GBps": copy_bw / 1e9, "seconds": times, "GBps": {},
-         "fraction_of_copy_bandwidth": {}, "gossip_sgd_step_native": native}
+         "fraction_of_copy_bandwidth": {}}
   for k, t in times.items():
     if k == "copy":
       continue
@@ -114,7 +103,6 @@ def run(quick: bool = False) -> dict:
 def table(r: dict) -> list[str]:
   rows = [f"Optimizer step alone, {r['num_nodes']} nodes x {r['floats_per_node']} floats; "
           f"in-place copy {r['copy_GBps']:.1f} GB/s ({r['seconds']['copy'] * 1e3:.1f} ms)"]
-  rows.append(f"  gj.gossip_sgd_step native kernel: {r.get('gossip_sgd_step_native')}")
   for k, f in r["fraction_of_copy_bandwidth"].items():
     rows.append(f"  {k:28s} {r['seconds'][k] * 1e3:8.1f} ms  {r['GBps'][k]:6.1f} GB/s  {f:5.2f} of copy bandwidth")
   return rows

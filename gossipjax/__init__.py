@@ -12,7 +12,6 @@ from gossipjax._src.easgd import EASGDState, easgd
 from gossipjax._src.exact_diffusion import ExactDiffusionState, exact_diffusion
 from gossipjax._src.extra import ExtraState, extra
 from gossipjax._src.fault import abort_on_error
-from gossipjax._src.fused import GossipSGDStep, GossipSGDStepState, gossip_sgd_step
 from gossipjax._src.gossip_sgd import gossip_sgd
 from gossipjax._src.gradient_tracking import GradientTrackingState, gradient_tracking
 from gossipjax._src.guard import GuardFiniteState, check_guard, guard_finite, nonfinite_counts
@@ -40,8 +39,6 @@ __all__ = (
     "EASGDState",
     "ExactDiffusionState",
     "ExtraState",
-    "GossipSGDStep",
-    "GossipSGDStepState",
     "GradientTrackingState",
     "GuardFiniteState",
     "MixState",
@@ -67,7 +64,6 @@ __all__ = (
     "exact_diffusion",
     "extra",
     "gossip_sgd",
-    "gossip_sgd_step",
     "gradient_tracking",
     "guard_finite",
     "init_nodes",
