@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from gossipjax.topology._families import _check_n, exponential
+from gossipjax.topology._plan import MixingPlan, circulant_plan, make_round, reversed_plan
 from gossipjax.topology._topology import Topology, is_strongly_connected
 
 
@@ -19,13 +20,8 @@ def one_peer_exponential(n: int) -> Topology:
   """
   n = _check_n(n, "one_peer_exponential", minimum=2)
   tau = max(1, math.ceil(math.log2(n)))
-  mats = np.zeros((tau, n, n))
-  for k in range(tau):
-    h = (2**k) % n
-    for i in range(n):
-      mats[k, i, i] += 0.5
-      mats[k, i, (i + h) % n] += 0.5
-  return Topology(mats, name=f"one_peer_exponential({n})")
+  return Topology.from_plans([circulant_plan(n, [2**k % n], 0.5, 0.5) for k in range(tau)],
+                             name=f"one_peer_exponential({n})")
 
 
 def directed_exponential(n: int) -> Topology:
@@ -54,7 +50,7 @@ def one_peer_directed_exponential(n: int) -> Topology:
 
 def _reversed(topology: Topology, name: str) -> Topology:
   """Every edge reversed (W^T at every step): the push form of a pull graph."""
-  return Topology(topology.matrices.transpose(0, 2, 1), name=name)
+  return Topology.from_plans([reversed_plan(p) for p in topology.plans()], name=name)
 
 
 def random_pairs(n: int, seed: int = 0, period: int = 16) -> Topology:
@@ -68,8 +64,8 @@ def random_pairs(n: int, seed: int = 0, period: int = 16) -> Topology:
   Args:
     n: number of nodes (at least 2).
     seed: seeds the matchings; the same seed gives the same sequence.
-    period: how many matchings are drawn before the sequence repeats. W(k) is stored
-      densely (``period * n * n`` floats), and backends that exchange with ``ppermute`` or
+    period: how many matchings are drawn before the sequence repeats. Each W(k) is stored
+      as one exchange round (O(n)), and backends that exchange with ``ppermute`` or
       ``sendrecv`` compile one branch per matching, so a long period costs compile time
       there (the simulate backend gathers from a table instead, one program for any period).
 
@@ -80,14 +76,17 @@ def random_pairs(n: int, seed: int = 0, period: int = 16) -> Topology:
   if isinstance(period, bool) or not isinstance(period, (int, np.integer)) or period < 1:
     raise ValueError(f"random_pairs: period must be a positive integer, got {period!r}")
   rng = np.random.default_rng(seed)
-  mats = np.zeros((int(period), n, n))
-  for k in range(int(period)):
+  plans = []
+  for _ in range(int(period)):
     perm = rng.permutation(n)
-    mats[k, np.arange(n), np.arange(n)] = 1.0
-    for a, b in zip(perm[0:n - 1:2], perm[1::2]):
-      mats[k, [a, b, a, b], [a, b, b, a]] = 0.5
-  if not is_strongly_connected(mats.sum(axis=0) > 0):
+    a, b = perm[0:n - 1:2], perm[1::2]
+    self_w = np.ones(n)
+    self_w[a] = self_w[b] = 0.5
+    self_w.setflags(write=False)
+    rnd = make_round(n, np.concatenate([a, b]), np.concatenate([b, a]), np.full(2 * len(a), 0.5))
+    plans.append(MixingPlan(self_weight=self_w, rounds=(rnd,)))
+  topo = Topology.from_plans(plans, name=f"random_pairs({n}, seed={seed})")
+  if not is_strongly_connected(topo.union_graph()):
     raise ValueError(f"random_pairs({n}, seed={seed}): {period} random matchings do not connect "
                      "all nodes; raise period or try another seed")
-  return Topology(mats, name=f"random_pairs({n}, seed={seed})")
-
+  return topo

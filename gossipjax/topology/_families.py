@@ -1,4 +1,8 @@
-"""Static graph families and the weight rules that turn a graph into W."""
+"""Static graph families and the weight rules that turn a graph into W.
+
+Every family builds the sparse form directly: an edge list (or, for circulant graphs, one
+shift per offset) in O(n * degree), never an n x n array.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,9 @@ import math
 from typing import Any, Literal
 
 import numpy as np
+import scipy.sparse as sp
 
+from gossipjax.topology._plan import MAX_DENSE_NODES, check_degree, circulant_plan, plan_from_edges
 from gossipjax.topology._topology import Topology, is_strongly_connected
 
 Weights = Literal["uniform", "metropolis"]
@@ -18,15 +24,28 @@ def _check_n(n: Any, name: str, minimum: int = 1) -> int:
   return int(n)
 
 
-def weights_from_adjacency(adj: np.ndarray, weights: Weights = "uniform") -> np.ndarray:
+def _check_weights(weights: Any) -> None:
+  if weights not in ("uniform", "metropolis"):
+    raise ValueError(f"weights must be 'uniform' or 'metropolis', got {weights!r}")
+
+
+def weights_from_adjacency(adj: Any, weights: Weights = "uniform") -> np.ndarray | sp.csr_array:
   """Turns a 0/1 adjacency (``adj[i, j]``: i receives from j) into a mixing matrix.
 
   Args:
-    adj: boolean n x n; the diagonal is ignored (every node keeps a self weight).
+    adj: boolean n x n, dense or ``scipy.sparse`` (then so is the result); the diagonal
+      is ignored (every node keeps a self weight).
     weights: ``"uniform"``: 1/(in-degree + 1) over the closed in-neighbourhood, as BlueFog
       does (doubly stochastic on regular graphs); ``"metropolis"``: Metropolis-Hastings
       ``w_ij = 1 / (1 + max(d_i, d_j))``, doubly stochastic on any undirected graph.
   """
+  if sp.issparse(adj):
+    a = sp.coo_array(adj)
+    n = a.shape[0]
+    dst, src, w, self_w = _edge_weights(n, a.row[a.data != 0], a.col[a.data != 0], weights)
+    nodes = np.arange(n)
+    return sp.csr_array((np.concatenate([self_w, w]), (np.concatenate([nodes, dst]), np.concatenate([nodes, src]))),
+                        shape=(n, n))
   adj = np.asarray(adj).astype(bool)
   n = adj.shape[0]
   adj = adj & ~np.eye(n, dtype=bool)
@@ -38,61 +57,104 @@ def weights_from_adjacency(adj: np.ndarray, weights: Weights = "uniform") -> np.
       raise ValueError("metropolis weights need an undirected graph (a symmetric adjacency)")
     w = adj / (1.0 + np.maximum(deg[:, None], deg[None, :]))
   else:
-    raise ValueError(f"weights must be 'uniform' or 'metropolis', got {weights!r}")
+    _check_weights(weights)
   w[np.arange(n), np.arange(n)] = 1.0 - w.sum(axis=1)
   return w
 
 
-def _from_edges(n: int, edges, name: str, weights: Weights) -> Topology:
-  adj = np.zeros((n, n), bool)
-  for i, j in edges:
-    if i != j:
-      adj[i, j] = True
-  return Topology(weights_from_adjacency(adj, weights), name=name)
+def _edge_weights(n: int, dst: np.ndarray, src: np.ndarray, weights: Weights):
+  """The rule of ``weights_from_adjacency`` on an edge list: ``(dst, src, weight, self_weight)``.
+
+  Duplicate edges and self loops are dropped; edges come back sorted by (receiver, sender).
+  """
+  _check_weights(weights)
+  dst, src = np.asarray(dst, np.int64), np.asarray(src, np.int64)
+  key = np.sort(dst[dst != src] * n + src[dst != src])
+  key = key[np.concatenate([[True], key[1:] != key[:-1]])] if len(key) else key
+  dst, src = key // n, key % n
+  deg = np.bincount(dst, minlength=n)
+  if weights == "uniform":
+    w = 1.0 / (deg[dst] + 1.0)
+  else:
+    if not np.array_equal(np.sort(src * n + dst), key):
+      raise ValueError("metropolis weights need an undirected graph (a symmetric adjacency)")
+    w = 1.0 / (1.0 + np.maximum(deg[dst], deg[src]))
+  return dst, src, w, 1.0 - np.bincount(dst, weights=w, minlength=n)
+
+
+def _from_edges(n: int, dst: np.ndarray, src: np.ndarray, name: str, weights: Weights) -> Topology:
+  dst, src, w, self_w = _edge_weights(n, dst, src, weights)
+  return Topology.from_plans(plan_from_edges(n, dst, src, w, self_w, name), name=name)
+
+
+def _regular_circulant(n: int, offsets: list[int], name: str, weights: Weights) -> Topology:
+  """A circulant graph whose edges go both ways, so uniform and Metropolis weights agree."""
+  _check_weights(weights)
+  offsets = sorted({h % n for h in offsets} - {0})
+  w = 1.0 / (len(offsets) + 1.0)
+  row_sum = 0.0
+  for _ in offsets:  # the self weight is 1 minus the row, summed as the dense rule sums it
+    row_sum += w
+  return Topology.from_plans(circulant_plan(n, offsets, w, 1.0 - row_sum, name), name=name)
 
 
 def ring(n: int, weights: Weights = "uniform") -> Topology:
   """Undirected ring: node i talks to i - 1 and i + 1 (weights 1/3 each, self 1/3)."""
   n = _check_n(n, "ring")
-  edges = [(i, (i + s) % n) for i in range(n) for s in (-1, 1)]
-  return _from_edges(n, edges, f"ring({n})", weights)
+  return _regular_circulant(n, [1, -1], f"ring({n})", weights)
 
 
-def _grid_edges(rows: int, cols: int, wrap: bool):
-  for r in range(rows):
-    for c in range(cols):
-      i = r * cols + c
-      for dr, dc in ((0, 1), (0, -1), (1, 0), (-1, 0)):
-        rr, cc = r + dr, c + dc
-        if wrap:
-          rr, cc = rr % rows, cc % cols
-        if 0 <= rr < rows and 0 <= cc < cols:
-          yield i, rr * cols + cc
+def _grid_edges(rows: int, cols: int, wrap: bool) -> tuple[np.ndarray, np.ndarray]:
+  node = np.arange(rows * cols)
+  r, c = np.divmod(node, cols)
+  dst, src = [], []
+  for dr, dc in ((0, 1), (0, -1), (1, 0), (-1, 0)):
+    rr, cc = r + dr, c + dc
+    if wrap:
+      rr, cc = rr % rows, cc % cols
+    inside = (rr >= 0) & (rr < rows) & (cc >= 0) & (cc < cols)
+    dst.append(node[inside])
+    src.append((rr * cols + cc)[inside])
+  return np.concatenate(dst), np.concatenate(src)
 
 
 def grid(rows: int, cols: int, weights: Weights = "uniform") -> Topology:
   """2D grid without wrap-around; irregular, so pass ``weights="metropolis"`` for a doubly stochastic W."""
   rows, cols = _check_n(rows, "grid rows"), _check_n(cols, "grid cols")
-  return _from_edges(rows * cols, _grid_edges(rows, cols, False), f"grid({rows}x{cols})", weights)
+  return _from_edges(rows * cols, *_grid_edges(rows, cols, False), f"grid({rows}x{cols})", weights)
 
 
 def torus(rows: int, cols: int, weights: Weights = "uniform") -> Topology:
   """2D torus (grid with wrap-around): 4 neighbours, weight 1/5 each when rows, cols >= 3."""
   rows, cols = _check_n(rows, "torus rows"), _check_n(cols, "torus cols")
-  return _from_edges(rows * cols, _grid_edges(rows, cols, True), f"torus({rows}x{cols})", weights)
+  return _from_edges(rows * cols, *_grid_edges(rows, cols, True), f"torus({rows}x{cols})", weights)
 
 
 def star(n: int, weights: Weights = "uniform") -> Topology:
-  """Node 0 is the hub; irregular, so pass ``weights="metropolis"`` for a doubly stochastic W."""
+  """Node 0 is the hub; irregular, so pass ``weights="metropolis"`` for a doubly stochastic W.
+
+  The hub receives from every node, one exchange round each, so the plan holds n - 1
+  rounds of n entries: stars are built up to ``MAX_DENSE_NODES`` nodes.
+  """
   n = _check_n(n, "star")
-  edges = [e for i in range(1, n) for e in ((0, i), (i, 0))]
-  return _from_edges(n, edges, f"star({n})", weights)
+  leaves = np.arange(1, n)
+  hub = np.zeros(n - 1, np.int64)
+  return _from_edges(n, np.concatenate([hub, leaves]), np.concatenate([leaves, hub]), f"star({n})", weights)
 
 
 def complete(n: int) -> Topology:
-  """Every node averages with every node: W = 11^T / n (exact averaging in one step)."""
+  """Every node averages with every node: W = 11^T / n (exact averaging in one step).
+
+  As a plan this is n - 1 shifts of n entries, so it is built up to ``MAX_DENSE_NODES``
+  nodes; past that an all-reduce mean is the way to average exactly.
+  """
   n = _check_n(n, "complete")
-  return Topology(np.full((n, n), 1.0 / n), name=f"complete({n})")
+  return Topology.from_plans(circulant_plan(n, range(1, n), 1.0 / n, 1.0 / n, f"complete({n})"),
+                             name=f"complete({n})")
+
+
+def _exponential_peers(n: int) -> list[int]:
+  return sorted({(2**k) % n for k in range(max(1, math.ceil(math.log2(n))) if n > 1 else 0)} - {0})
 
 
 def exponential(n: int, symmetric: bool = False) -> Topology:
@@ -104,18 +166,18 @@ def exponential(n: int, symmetric: bool = False) -> Topology:
 
   ``symmetric=True`` gives the undirected variant (i talks to ``i +- 2^k``), for methods
   that need a symmetric W such as DecentLaM and exact diffusion.
+
+  References:
+    Ying, Yuan, Chen, Hu, Pan, Yin (2021), Exponential Graph is Provably Efficient for
+    Decentralized Deep Training.
   """
   n = _check_n(n, "exponential")
-  peers = sorted({(2**k) % n for k in range(max(1, math.ceil(math.log2(n))) if n > 1 else 0)} - {0})
+  peers = _exponential_peers(n)
   if symmetric:
     peers = sorted(set(peers) | {(-h) % n for h in peers})
-  w = np.zeros((n, n))
-  for i in range(n):
-    w[i, i] = 1.0
-    for h in peers:
-      w[i, (i + h) % n] += 1.0
-  w /= w.sum(axis=1, keepdims=True)
-  return Topology(w, name=f"{'symmetric_' if symmetric else ''}exponential({n})")
+  w = 1.0 / (1.0 + len(peers))
+  name = f"{'symmetric_' if symmetric else ''}exponential({n})"
+  return Topology.from_plans(circulant_plan(n, peers, w, w, name), name=name)
 
 
 def hypercube(n: int) -> Topology:
@@ -124,44 +186,78 @@ def hypercube(n: int) -> Topology:
   if n & (n - 1):
     raise ValueError(f"hypercube: n must be a power of 2, got {n}")
   d = n.bit_length() - 1
-  edges = [(i, i ^ (1 << k)) for i in range(n) for k in range(d)]
-  return _from_edges(n, edges, f"hypercube({n})", "uniform")
+  node = np.arange(n)
+  dst = np.tile(node, d)
+  src = np.concatenate([node ^ (1 << k) for k in range(d)] or [np.zeros(0, np.int64)])
+  return _from_edges(n, dst, src, f"hypercube({n})", "uniform")
 
 
 def erdos_renyi(n: int, p: float, seed: int = 0, weights: Weights = "metropolis") -> Topology:
   """Undirected Erdos-Renyi graph G(n, p), Metropolis-Hastings weights by default.
+
+  Up to ``MAX_DENSE_NODES`` nodes the sample for a seed is the one drawn pair by pair from
+  ``numpy.random.default_rng(seed)`` (rows of draws at a time, never n x n at once); past
+  that, the number of edges is drawn from its binomial law and the edges uniformly among
+  the pairs, O(n + edges) (the same law, G(n, p), another sample).
 
   Raises ``ValueError`` when the sampled graph is disconnected (raise ``p`` or change ``seed``).
   """
   n = _check_n(n, "erdos_renyi")
   if not 0.0 <= p <= 1.0:
     raise ValueError(f"erdos_renyi: p must be in [0, 1], got {p}")
+  name = f"erdos_renyi({n}, p={p}, seed={seed})"
+  check_degree(n, int(p * (n - 1)), name)
   rng = np.random.default_rng(seed)
-  upper = np.triu(rng.random((n, n)) < p, k=1)
-  adj = upper | upper.T
+  if n <= MAX_DENSE_NODES:
+    rows = max(1, 2**22 // n)  # about 32 MiB of draws at a time
+    dst, src = [], []
+    for start in range(0, n, rows):
+      block = rng.random((min(rows, n - start), n)) < p
+      i, j = np.nonzero(block)
+      i += start
+      upper = j > i
+      dst.append(i[upper])
+      src.append(j[upper])
+    dst, src = np.concatenate(dst), np.concatenate(src)
+  else:
+    pairs = n * (n - 1) // 2
+    index = np.sort(rng.choice(pairs, size=rng.binomial(pairs, p), replace=False))
+    first = np.arange(n, dtype=np.int64)
+    first = first * n - first * (first + 1) // 2  # index of pair (i, i + 1) in row-major upper-triangle order
+    dst = np.searchsorted(first, index, side="right") - 1
+    src = index - first[dst] + dst + 1
+  adj = sp.csr_array((np.ones(2 * len(dst), bool), (np.concatenate([dst, src]), np.concatenate([src, dst]))),
+                     shape=(n, n))
   if not is_strongly_connected(adj):
     raise ValueError(f"erdos_renyi({n}, p={p}, seed={seed}) sampled a disconnected graph; "
                      "raise p (about log(n)/n is the threshold) or try another seed")
-  return Topology(weights_from_adjacency(adj, weights), name=f"erdos_renyi({n}, p={p}, seed={seed})")
+  return _from_edges(n, np.concatenate([dst, src]), np.concatenate([src, dst]), name, weights)
 
 
 def from_adjacency(adj: Any, weights: Weights = "uniform", name: str | None = None) -> Topology:
-  """Topology from a 0/1 adjacency matrix (``adj[i, j]``: i receives from j) or a networkx graph."""
+  """Topology from a 0/1 adjacency (``adj[i, j]``: i receives from j), dense or ``scipy.sparse``, or a networkx graph."""
   if _is_networkx(adj):
     return from_networkx(adj, weights=weights)
-  adj = np.asarray(adj)
-  if adj.ndim != 2 or adj.shape[0] != adj.shape[1]:
-    raise ValueError(f"from_adjacency: adjacency must be square n x n, got shape {adj.shape}")
-  return Topology(weights_from_adjacency(adj != 0, weights), name=name or f"graph({adj.shape[0]})")
+  if sp.issparse(adj):
+    a = sp.coo_array(adj)
+    shape, dst, src = a.shape, a.row[a.data != 0], a.col[a.data != 0]
+  else:
+    a = np.asarray(adj)
+    shape = a.shape
+    if a.ndim == 2 and a.shape[0] == a.shape[1]:
+      dst, src = np.nonzero(a != 0)
+  if len(shape) != 2 or shape[0] != shape[1]:
+    raise ValueError(f"from_adjacency: adjacency must be square n x n, got shape {shape}")
+  return _from_edges(shape[0], dst, src, name or f"graph({shape[0]})", weights)
 
 
 def from_matrix(w: Any, name: str = "custom") -> Topology:
-  """Topology from a dense mixing matrix, or a sequence of them (time-varying, cycled).
+  """Topology from a mixing matrix, or a sequence of them (time-varying, cycled).
 
-  Entries are checked (finite, non-negative); stochasticity is checked by each algorithm
-  for what it needs (``Topology.check``).
+  Each W may be dense or ``scipy.sparse``. Entries are checked (finite, non-negative);
+  stochasticity is checked by each algorithm for what it needs (``Topology.check``).
   """
-  return Topology(np.asarray(w, dtype=np.float64), name=name)
+  return Topology(w, name=name)
 
 
 def from_networkx(graph: Any, weights: Weights = "uniform") -> Topology:
@@ -172,9 +268,9 @@ def from_networkx(graph: Any, weights: Weights = "uniform") -> Topology:
   import networkx as nx
 
   nodes = sorted(graph.nodes)
-  a = nx.to_numpy_array(graph, nodelist=nodes, weight=None) != 0
-  adj = a.T if graph.is_directed() else a
-  return Topology(weights_from_adjacency(adj, weights), name=f"networkx({len(nodes)})")
+  a = sp.coo_array(nx.to_scipy_sparse_array(graph, nodelist=nodes, weight=None))
+  dst, src = (a.col, a.row) if graph.is_directed() else (a.row, a.col)
+  return _from_edges(len(nodes), dst, src, f"networkx({len(nodes)})", weights)
 
 
 def _is_networkx(x: Any) -> bool:
@@ -182,11 +278,11 @@ def _is_networkx(x: Any) -> bool:
 
 
 def as_topology(x: Any) -> Topology:
-  """Accepts a Topology, a dense matrix (or stack of them), or a networkx graph."""
+  """Accepts a Topology, a mixing matrix (dense or ``scipy.sparse``, or a stack of them), or a networkx graph."""
   if isinstance(x, Topology):
     return x
   if _is_networkx(x):
     return from_networkx(x)
-  if isinstance(x, (np.ndarray, list, tuple)) or hasattr(x, "__array__"):
+  if sp.issparse(x) or isinstance(x, (np.ndarray, list, tuple)) or hasattr(x, "__array__"):
     return from_matrix(x)
   raise TypeError(f"expected a gossipjax Topology, a mixing matrix or a networkx graph, got {type(x).__name__}")

@@ -1,110 +1,37 @@
-"""The `Topology` type: mixing matrices W(k), their sparse plan, validation and spectral facts.
+"""The `Topology` type: the sparse plans of W(k), their validation and views.
 
 Convention: rows receive. ``x_new[i] = sum_j W[i, j] x[j]``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
+import scipy.sparse as sp
+from scipy.sparse import csgraph
+
+from gossipjax.topology._plan import MixingPlan, check_dense_size, plan_from_matrix
 
 Stochasticity = Literal["row", "column", "doubly", "none"]
 
 _TOL = 1e-9
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Round:
-  """One exchange round of a sparse plan: a partial permutation with per-receiver weights.
-
-  Receiver ``i`` adds ``weight[i] * x[src[i]]``. Where ``weight[i] == 0`` node ``i``
-  receives nothing in this round (``src[i] == i`` then, by convention). Among receivers
-  with a non-zero weight, ``src`` is injective, so the round is one ``ppermute`` /
-  one ``sendrecv`` per node.
-
-  Attributes:
-    src: int array (n,), the node each receiver reads from.
-    weight: float array (n,), the weight of that message at the receiver.
-    shift: ``h`` when the round is the full cyclic shift ``src[i] = (i + h) % n``
-      for every node, else ``None`` (the simulator then uses ``roll`` instead of a gather).
-  """
-
-  src: np.ndarray
-  weight: np.ndarray
-  shift: int | None
-
-  @property
-  def pairs(self) -> tuple[tuple[int, int], ...]:
-    """``(source, destination)`` pairs, the form ``lax.ppermute`` takes."""
-    return tuple((int(self.src[i]), i) for i in np.flatnonzero(self.weight))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class MixingPlan:
-  """``W = diag(self_weight) + sum_c P_c diag(rounds[c].weight)`` for one step."""
-
-  self_weight: np.ndarray
-  rounds: tuple[Round, ...]
-
-  @property
-  def num_nodes(self) -> int:
-    return self.self_weight.shape[0]
-
-  def dense(self) -> np.ndarray:
-    """The n x n matrix this plan applies (for tests and analysis)."""
-    n = self.num_nodes
-    w = np.diag(self.self_weight).astype(np.float64)
-    for r in self.rounds:
-      w[np.arange(n), r.src] += r.weight
-    return w
-
-
-def plan_from_matrix(w: np.ndarray) -> MixingPlan:
-  """Edge-colours the off-diagonal support of ``w`` into partial permutations.
-
-  Edges are coloured greedily in order of their cyclic offset ``(j - i) mod n``, so a
-  circulant graph (ring, exponential, torus rows) gets one full shift per offset and any
-  graph gets at most ``2 * max_degree - 1`` rounds.
-  """
-  n = w.shape[0]
-  dst, src = np.nonzero(w * (1 - np.eye(n)))
-  order = np.lexsort((dst, (src - dst) % n))
-  received: list[set[int]] = [set() for _ in range(n)]  # colours used by each receiver
-  sent: list[set[int]] = [set() for _ in range(n)]  # colours used by each sender
-  colours: list[list[tuple[int, int]]] = []
-  for e in order:
-    i, j = int(dst[e]), int(src[e])
-    c = 0
-    while c in received[i] or c in sent[j]:
-      c += 1
-    if c == len(colours):
-      colours.append([])
-    colours[c].append((j, i))
-    received[i].add(c)
-    sent[j].add(c)
-  rounds = []
-  for edges in colours:
-    src_arr = np.arange(n)
-    weight = np.zeros(n)
-    for j, i in edges:
-      src_arr[i] = j
-      weight[i] = w[i, j]
-    shift = None
-    if len(edges) == n:
-      offsets = (src_arr - np.arange(n)) % n
-      if np.all(offsets == offsets[0]):
-        shift = int(offsets[0])
-    rounds.append(Round(src=src_arr, weight=weight, shift=shift))
-  return MixingPlan(self_weight=np.diag(w).copy(), rounds=tuple(rounds))
-
 
 class Topology:
   """A communication graph with its mixing weights, possibly time-varying.
 
-  A topology is data: n, the period and one n x n matrix per step of the period.
-  Algorithms read the sparse plans; analysis reads the dense matrices.
+  A topology is data: n, the period and, per step of the period, a sparse plan (self
+  weights plus partial-permutation exchange rounds) of W(k). Algorithms and backends
+  read ``plans()``; analysis reads ``sparse(step)`` or, for small n, ``matrix(step)``.
+  Nothing here builds an n x n matrix unless asked for one.
+
+  Args:
+    matrices: W for a static topology or one per step of the period: dense arrays
+      (n x n, a (period, n, n) stack or a sequence), ``scipy.sparse`` matrices, or
+      ``MixingPlan`` objects.
+    name: a short description, e.g. ``"ring(8)"``.
 
   Attributes:
     name: a short description, e.g. ``"ring(8)"``.
@@ -112,54 +39,68 @@ class Topology:
     period: number of distinct steps before W(k) repeats (1 when static).
   """
 
-  def __init__(self, matrices: np.ndarray | Sequence[np.ndarray], name: str = "custom"):
-    mats = np.asarray(matrices, dtype=np.float64)
-    if mats.ndim == 2:
-      mats = mats[None]
-    if mats.ndim != 3 or mats.shape[1] != mats.shape[2]:
-      raise ValueError(f"{name}: a mixing matrix must be square n x n, got shape {mats.shape[1:]}")
-    if mats.shape[1] == 0:
-      raise ValueError(f"{name}: a topology needs at least one node")
-    _check_entries(mats, name)
-    mats.setflags(write=False)
-    self._matrices = mats
+  def __init__(self, matrices: Any, name: str = "custom"):
     self.name = name
-    self._plans: tuple[MixingPlan, ...] | None = None
+    self._plans = _to_plans(matrices, name)
+    self._sparse: dict[int, sp.csr_array] = {}
+
+  @classmethod
+  def from_plans(cls, plans: MixingPlan | Sequence[MixingPlan], name: str = "custom") -> "Topology":
+    """A topology from its sparse plans, one per step (entries are checked as for matrices)."""
+    return cls([plans] if isinstance(plans, MixingPlan) else list(plans), name=name)
 
   @property
   def num_nodes(self) -> int:
-    return self._matrices.shape[1]
+    return self._plans[0].num_nodes
 
   @property
   def period(self) -> int:
-    return self._matrices.shape[0]
+    return len(self._plans)
 
   @property
   def is_time_varying(self) -> bool:
     return self.period > 1
 
+  def plans(self) -> tuple[MixingPlan, ...]:
+    """One sparse plan per step of the period: what the backends execute."""
+    return self._plans
+
+  def sparse(self, step: int = 0) -> sp.csr_array:
+    """W at ``step`` as a ``scipy.sparse`` CSR array (rows receive), for any n."""
+    k = int(step) % self.period
+    if k not in self._sparse:
+      self._sparse[k] = self._plans[k].sparse()
+    return self._sparse[k]
+
   def matrix(self, step: int = 0) -> np.ndarray:
-    """The dense mixing matrix used at ``step`` (rows receive)."""
-    return self._matrices[int(step) % self.period]
+    """The dense mixing matrix used at ``step`` (rows receive).
+
+    Raises:
+      ValueError: past ``MAX_DENSE_NODES`` (8,192) nodes, where the dense matrix would take
+        more than 512 MiB; use ``sparse(step)`` or ``plans()`` there.
+    """
+    check_dense_size(self.num_nodes, f"{self.name}.matrix")
+    w = self._plans[int(step) % self.period].dense()
+    w.setflags(write=False)
+    return w
 
   @property
   def matrices(self) -> np.ndarray:
-    """All matrices of one period, shape (period, n, n)."""
-    return self._matrices
-
-  def plans(self) -> tuple[MixingPlan, ...]:
-    """One sparse plan per step of the period (built once, then cached)."""
-    if self._plans is None:
-      self._plans = tuple(plan_from_matrix(m) for m in self._matrices)
-    return self._plans
+    """All matrices of one period, dense, shape (period, n, n) (small n only, as ``matrix``)."""
+    check_dense_size(self.num_nodes, f"{self.name}.matrices", count=self.period)
+    out = np.stack([p.dense() for p in self._plans])
+    out.setflags(write=False)
+    return out
 
   def max_degree(self) -> int:
     """Largest number of messages any node receives in one step."""
-    off = self._matrices * (1 - np.eye(self.num_nodes))
-    return int((off > 0).sum(axis=2).max())
+    return max(int(sum((r.weight > 0).astype(np.int64) for r in p.rounds).max(initial=0)) if p.rounds else 0
+               for p in self._plans)
 
   def check(self, stochastic: Stochasticity = "doubly", connected: bool = True) -> "Topology":
     """Raises ``ValueError`` unless W is stochastic as required (and connected).
+
+    Runs on the sparse plans: O(n * degree) per step of the period.
 
     Args:
       stochastic: ``"row"`` (rows sum to 1: averaging), ``"column"`` (columns sum
@@ -169,40 +110,103 @@ class Topology:
     Returns:
       ``self``, so a check can be chained.
     """
-    for k, m in enumerate(self._matrices):
+    for k, plan in enumerate(self._plans):
       where = f"{self.name}" + (f" at step {k}" if self.is_time_varying else "")
       if stochastic in ("row", "doubly"):
-        _check_sums(m.sum(axis=1), "row", where, stochastic)
+        _check_sums(plan.row_sums(), "row", where, stochastic)
       if stochastic in ("column", "doubly"):
-        _check_sums(m.sum(axis=0), "column", where, stochastic)
-    if connected and not is_strongly_connected(self._matrices.sum(axis=0) > 0):
+        _check_sums(plan.column_sums(), "column", where, stochastic)
+    if connected and not is_strongly_connected(self.union_graph()):
       raise ValueError(
           f"{self.name}: the graph is not connected (over one period of {self.period} step(s)), "
           "so the nodes can never reach consensus"
       )
     return self
 
+  def union_graph(self) -> sp.csr_array:
+    """Boolean adjacency (``[i, j]``: i receives from j at some step of the period), sparse."""
+    n = self.num_nodes
+    edges = [p.edges() for p in self._plans]
+    dst = np.concatenate([d[w > 0] for d, _, w in edges])
+    src = np.concatenate([s[w > 0] for _, s, w in edges])
+    return sp.csr_array((np.ones(len(dst), bool), (dst, src)), shape=(n, n))
+
   def is_symmetric(self) -> bool:
     """True when every W(k) equals its transpose (an undirected graph with symmetric weights)."""
-    return bool(np.allclose(self._matrices, self._matrices.transpose(0, 2, 1), atol=1e-12))
+    for k in range(self.period):
+      w = self.sparse(k)
+      wt = w.T.tocsr()
+      excess = abs(w - wt) - 1e-5 * abs(wt)  # np.allclose(w, w.T, atol=1e-12), entry by entry
+      if excess.nnz and excess.max() > 1e-12:
+        return False
+    return True
 
   def __repr__(self) -> str:
     kind = f"time-varying, period {self.period}" if self.is_time_varying else "static"
     return f"Topology({self.name}, n={self.num_nodes}, {kind})"
 
 
-def _check_entries(mats: np.ndarray, name: str) -> None:
-  bad = ~np.isfinite(mats)
-  if bad.any():
-    k, i, j = np.argwhere(bad)[0]
-    raise ValueError(f"{name}: W has a non-finite entry W[{i}, {j}] = {mats[k, i, j]}" + (
-        f" at step {k}" if mats.shape[0] > 1 else ""))
-  neg = mats < -_TOL
-  if neg.any():
-    k, i, j = np.argwhere(neg)[0]
-    raise ValueError(f"{name}: W has a negative weight W[{i}, {j}] = {mats[k, i, j]:.6g}"
-                     + (f" at step {k}" if mats.shape[0] > 1 else "")
-                     + "; mixing weights must be non-negative")
+def _to_plans(matrices: Any, name: str) -> tuple[MixingPlan, ...]:
+  """Validates the entries of W (every form) and returns its plans, one per step."""
+  if isinstance(matrices, MixingPlan) or sp.issparse(matrices):
+    matrices = [matrices]
+  if isinstance(matrices, (list, tuple)) and any(isinstance(m, MixingPlan) or sp.issparse(m) for m in matrices):
+    steps = list(matrices)
+  else:
+    mats = np.asarray(matrices, dtype=np.float64)
+    if mats.ndim == 2:
+      mats = mats[None]
+    if mats.ndim != 3 or mats.shape[1] != mats.shape[2]:
+      raise ValueError(f"{name}: a mixing matrix must be square n x n, got shape {mats.shape[1:]}")
+    steps = list(mats)
+  if not steps:
+    raise ValueError(f"{name}: a topology needs at least one mixing matrix")
+  entries = []
+  for m in steps:
+    if isinstance(m, MixingPlan):
+      n = m.num_nodes
+      dst, src, w = m.edges()
+      nodes = np.arange(n)
+      entries.append((np.concatenate([nodes, dst]), np.concatenate([nodes, src]), np.concatenate([m.self_weight, w])))
+    elif sp.issparse(m):
+      if len(m.shape) != 2 or m.shape[0] != m.shape[1]:
+        raise ValueError(f"{name}: a mixing matrix must be square n x n, got shape {m.shape}")
+      coo = sp.coo_array(m, dtype=np.float64)
+      n = coo.shape[0]
+      entries.append((coo.row, coo.col, coo.data))
+    else:
+      m = np.asarray(m, np.float64)
+      if m.ndim != 2 or m.shape[0] != m.shape[1]:
+        raise ValueError(f"{name}: a mixing matrix must be square n x n, got shape {m.shape}")
+      n = m.shape[0]
+      i, j = np.nonzero(~np.isfinite(m) | (m < -_TOL))  # only the bad entries: the rest need no index
+      entries.append((i, j, m[i, j]))
+    if n == 0:
+      raise ValueError(f"{name}: a topology needs at least one node")
+    if n != _num_nodes(steps[0]):
+      raise ValueError(f"{name}: every step's W must have the same n, got {_num_nodes(steps[0])} and {n}")
+  _check_entries(entries, name)
+  return tuple(m if isinstance(m, MixingPlan) else plan_from_matrix(m, name) for m in steps)
+
+
+def _num_nodes(m: Any) -> int:
+  return m.num_nodes if isinstance(m, MixingPlan) else np.shape(m)[0] if not sp.issparse(m) else m.shape[0]
+
+
+def _check_entries(entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]], name: str) -> None:
+  """Refuses a non-finite entry anywhere, then a negative one, naming the first of each (step, row, column)."""
+  at = lambda k: f" at step {k}" if len(entries) > 1 else ""
+  for k, (i, j, v) in enumerate(entries):
+    bad = np.flatnonzero(~np.isfinite(v))
+    if len(bad):
+      e = bad[np.lexsort((j[bad], i[bad]))[0]]
+      raise ValueError(f"{name}: W has a non-finite entry W[{i[e]}, {j[e]}] = {v[e]}" + at(k))
+  for k, (i, j, v) in enumerate(entries):
+    bad = np.flatnonzero(v < -_TOL)
+    if len(bad):
+      e = bad[np.lexsort((j[bad], i[bad]))[0]]
+      raise ValueError(f"{name}: W has a negative weight W[{i[e]}, {j[e]}] = {v[e]:.6g}" + at(k)
+                       + "; mixing weights must be non-negative")
 
 
 def _check_sums(sums: np.ndarray, kind: str, where: str, required: str) -> None:
@@ -217,34 +221,15 @@ def _check_sums(sums: np.ndarray, kind: str, where: str, required: str) -> None:
     raise ValueError(f"{where}: W must be {need} but {kind} {i} sums to {sums[i]:.6g}{hint}")
 
 
-def is_strongly_connected(adj: np.ndarray) -> bool:
-  """True when every node reaches every other along edges ``adj[i, j]`` (j -> i)."""
-  n = adj.shape[0]
-  adj = adj | np.eye(n, dtype=bool)
-  for a in (adj, adj.T):
-    seen = np.zeros(n, bool)
-    seen[0] = True
-    frontier = seen.copy()
-    while frontier.any():
-      new = a[:, frontier].any(axis=1) & ~seen
-      seen |= new
-      frontier = new
-    if not seen.all():
-      return False
-  return True
+def is_strongly_connected(adj: Any) -> bool:
+  """True when every node reaches every other along edges ``adj[i, j]`` (j -> i).
 
-
-def rho(topology: "Topology | np.ndarray", step: int = 0) -> float:
-  """``||W - 11^T/n||_2``, the rate at which one gossip step contracts disagreement.
-
-  For a time-varying topology this is the value at ``step``; use
-  ``rho(product_over_period)`` for the per-period rate.
+  ``adj`` is a dense or ``scipy.sparse`` adjacency; the test is one strongly-connected-
+  components pass (``scipy.sparse.csgraph``), O(n + edges).
   """
-  w = topology.matrix(step) if isinstance(topology, Topology) else np.asarray(topology, np.float64)
-  n = w.shape[0]
-  return float(np.linalg.norm(w - np.full((n, n), 1.0 / n), ord=2))
-
-
-def spectral_gap(topology: "Topology | np.ndarray", step: int = 0) -> float:
-  """``1 - rho(W)``."""
-  return 1.0 - rho(topology, step)
+  a = sp.csr_array(adj if sp.issparse(adj) else np.asarray(adj) != 0)
+  if a.shape[0] <= 1:
+    return True
+  a.eliminate_zeros()
+  count, _ = csgraph.connected_components(a, directed=True, connection="strong")
+  return count == 1
