@@ -3,7 +3,8 @@
 Two kinds of test: each transform reproduces a plain NumPy recursion written as in its
 paper (to ~1e-12), and on full-batch least squares with heterogeneous data each shows the
 known answer: exact methods reach the global minimiser, D-PSGD and the momentum variants
-keep the inconsistency bias that seed 001 describes.
+keep the inconsistency bias that Kun Yuan describes ("Decentralized Optimization Algorithms for
+Large-Scale Deep Neural Network Training", lecture, 2021).
 """
 
 import jax
@@ -58,7 +59,7 @@ def limit(tx, steps=8000):
 
 
 def bias(x):
-  """sum_i ||x_i - x*||^2, the quantity of seed 001's bias propositions."""
+  """sum_i ||x_i - x*||^2, the quantity of Yuan's bias propositions."""
   return float(np.sum((x - X_STAR) ** 2))
 
 
@@ -70,7 +71,7 @@ STEPS = 25
 
 
 def diging_np(topo, lr, steps=STEPS):
-  """Nedic et al. 2017, as on seed 001's slide: y^0 = grad(x^0)."""
+  """Nedic et al. 2017, as on Yuan's slide: y^0 = grad(x^0)."""
   x, out = X0.copy(), []
   g = grad_np(x)
   y = g.copy()
@@ -112,7 +113,7 @@ def test_extra_is_shi_et_al():
   w = topo.matrix()
   w_tilde = 0.5 * (np.eye(N) + w)
   got = trajectory(gj.extra(topo, learning_rate=lr), X0, STEPS)
-  x_prev, x = X0, w @ X0 - lr * grad_np(X0)  # x^1 = W x^0 - lr g^0 (seed 001)
+  x_prev, x = X0, w @ X0 - lr * grad_np(X0)  # x^1 = W x^0 - lr g^0 (Yuan 2021)
   np.testing.assert_allclose(got[0], x, atol=1e-12)
   for k in range(1, STEPS):
     x_prev, x = x, (np.eye(N) + w) @ x - w_tilde @ x_prev - lr * (grad_np(x) - grad_np(x_prev))
@@ -212,7 +213,7 @@ def test_exact_methods_reach_the_global_minimiser(make):
 
 
 def test_dpsgd_bias_scales_as_lr_squared():
-  """Seed 001: full-batch D-SGD's limiting bias is O(lr^2 b^2 / (1 - rho)^2)."""
+  """Yuan (2021): full-batch D-SGD's limiting bias is O(lr^2 b^2 / (1 - rho)^2)."""
   topo = T.ring(N)
   b = {lr: bias(limit(gj.gossip_sgd(topo, learning_rate=lr))) for lr in (0.02, 0.01, 0.005)}
   assert b[0.005] > 1e-3  # a real bias, not round-off
@@ -222,7 +223,7 @@ def test_dpsgd_bias_scales_as_lr_squared():
 
 
 def test_momentum_bias_dmsgd_larger_decentlam_and_qg_equal_to_dpsgd():
-  """Seed 001's bias table: DmSGD amplifies the bias by ~1/(1-beta)^2; DecentLaM and
+  """Yuan's bias table: DmSGD amplifies the bias by ~1/(1-beta)^2; DecentLaM and
   QG-DmSGD keep D-PSGD's (their full-batch fixed point is D-PSGD's: x = W(x - lr grad))."""
   topo, lr, beta = T.ring(N), 0.02, 0.9
   dpsgd = bias(limit(gj.gossip_sgd(topo, learning_rate=lr)))

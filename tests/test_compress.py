@@ -35,7 +35,7 @@ def test_top_k_keeps_the_largest_entries_of_each_layer():
   assert float(C.top_k(0.2).bits(jnp.zeros(20, jnp.float32))) == 4 * (32 + 5)
 
 
-def test_threshold_mean_is_seed_002s_per_layer_rule():
+def test_threshold_mean_keeps_entries_at_or_above_each_layers_mean():
   tree = {"small": X * 0.01, "large": X[::-1] * 10}
   out = C.threshold_mean().compress(tree, jax.random.PRNGKey(0))
   for leaf, got in zip(jax.tree.leaves(tree), jax.tree.leaves(out)):

@@ -109,7 +109,8 @@ def test_decentlam_on_directed_exponential_really_diverges():
 
 
 def test_decentlam_full_batch_equals_heavy_ball_form():
-  """Seed 001: x+ = W(x - lr grad) + beta (x - x_prev)."""
+  """Yuan's lecture (2021), "Decentralized Optimization Algorithms for Large-Scale Deep Neural
+  Network Training": x+ = W(x - lr grad) + beta (x - x_prev)."""
   topo, lr, beta = T.ring(N), 0.05, 0.8
   a, b = least_squares()
   x = x_prev = np.random.default_rng(2).normal(size=(N, D))

@@ -1,4 +1,5 @@
-"""Seed 000, Figure 1 / Table 1: ``python experiments/allreduce_vs_gossip/main.py --out DIR``."""
+"""Figure 1 / Table 1 of Zhang, Lian, Zhang and Liu, "Decentralized Distributed Deep Learning":
+``python experiments/allreduce_vs_gossip/main.py --out DIR``."""
 
 import argparse
 import dataclasses

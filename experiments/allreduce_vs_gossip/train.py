@@ -1,4 +1,5 @@
-"""Seed 000, Figure 1 / Table 1: AllReduce, D-PSGD and AD-PSGD reach the same loss per epoch.
+"""AllReduce, D-PSGD and AD-PSGD reach the same loss per epoch: Figure 1 / Table 1 of Zhang, Lian,
+Zhang and Liu, "Decentralized Distributed Deep Learning".
 
 16 learners train a flax MLP on scikit-learn's digits (real data, no network), each with
 its own share of the training set. The three methods use the same learning rate and the
@@ -16,7 +17,7 @@ minibatches the same way. An epoch is one pass of the cluster over the training 
 (gradient samples processed / training-set size): about 10.5 synchronous rounds of 16
 gradients, or 168 AD-PSGD events, at batch 8. After every epoch the study records the
 training loss (mean over the learners of each learner's loss on the whole training set,
-the quantity of the seed's Figure 1), the loss of the average model, and test accuracies.
+the quantity of Zhang et al.'s Figure 1), the loss of the average model, and test accuracies.
 """
 
 from __future__ import annotations

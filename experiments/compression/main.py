@@ -1,4 +1,6 @@
-"""Seed 002 / CHOCO-SGD: test accuracy vs bits sent, ``python experiments/compression/main.py --out DIR``."""
+"""CHOCO-SGD with the compressors of `gj.compress`, among them the threshold-at-mean rule of Cui (2019),
+"Decentralized Deep Learning with Gradient Compression": test accuracy vs bits sent,
+``python experiments/compression/main.py --out DIR``."""
 
 import argparse
 import dataclasses

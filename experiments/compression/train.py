@@ -2,8 +2,9 @@
 
 16 nodes on a ring train a flax MLP on scikit-learn's digits (real data, no network).
 CHOCO-SGD (`gj.choco_sgd`, Koloskova et al. 2019) gossips ``C(x_i - \\hat x_i)`` with
-each compressor of `gj.compress` (top-k, random-k, sign, QSGD and seed 002's
-threshold-at-mean); D-PSGD (`gj.gossip_sgd` with ``beta=0``) sends the dense model.
+each compressor of `gj.compress` (top-k, random-k, sign, QSGD and the
+threshold-at-mean rule of Cui (2019), "Decentralized Deep Learning with Gradient Compression");
+D-PSGD (`gj.gossip_sgd` with ``beta=0``) sends the dense model.
 
 Bits: every step node i sends its message to each of its out-neighbours; the size of
 the message is the compressor's own count (``state.message_bits``, from

@@ -1,4 +1,4 @@
-"""A short run of the inconsistency-bias study: results.json's schema and seed 001's facts."""
+"""A short run of the inconsistency-bias study: results.json's schema and the facts of Yuan (2021)."""
 
 import dataclasses
 import json
@@ -33,7 +33,7 @@ def test_short_run(tmp_path):
     for r in (dpsgd, dmsgd, decentlam):  # each biased method settles at its closed-form fixed point
       np.testing.assert_allclose(r["limit"], r["predicted_limit"], rtol=1e-8)
       assert r["tail_relative_spread"] < 1e-9
-    # seed 001: DmSGD is faster but more biased; DecentLaM as fast, and as accurate as D-PSGD
+    # Yuan (2021): DmSGD is faster but more biased; DecentLaM as fast, and as accurate as D-PSGD
     assert dmsgd["limit"] > 10 * dpsgd["limit"]
     np.testing.assert_allclose(decentlam["limit"], dpsgd["limit"], rtol=1e-8)
     assert 3 * dmsgd["steps_to_settle"] < dpsgd["steps_to_settle"]

@@ -1,4 +1,5 @@
-"""Seed 001's inconsistency-bias verification: ``python experiments/inconsistency_bias/main.py --out DIR``."""
+"""The inconsistency-bias verification of Yuan (2021), "Decentralized Optimization Algorithms for Large-Scale
+Deep Neural Network Training": ``python experiments/inconsistency_bias/main.py --out DIR``."""
 
 import argparse
 import os

@@ -1,4 +1,6 @@
-"""Seed 001's numerical verification: the inconsistency bias on full-batch linear regression.
+"""The inconsistency bias on full-batch linear regression: the numerical verification of Kun Yuan,
+"Decentralized Optimization Algorithms for Large-Scale Deep Neural Network Training" (lecture,
+Zhejiang University, 2021).
 
 Node i holds ``f_i(x) = 1/(2m) ||A_i x - b_i||^2`` with its own minimiser
 (``b_i = A_i (x0 + h z_i) + noise``), so the local optima disagree; ``x*`` minimises the
@@ -57,7 +59,7 @@ def make_problem(config) -> Problem:
 
 
 def problem_facts(problem: Problem, topology: gj.topology.Topology) -> dict[str, float]:
-  """The quantities of seed 001's bias formulas: b^2 = (1/n) sum_i ||grad f_i(x*)||^2, rho, L, mu."""
+  """The quantities of Yuan's bias formulas: b^2 = (1/n) sum_i ||grad f_i(x*)||^2, rho, L, mu."""
   h = problem.hessians
   grads_at_opt = np.einsum("nde,e->nd", h, problem.x_star) - problem.linear_terms
   return dict(heterogeneity_b2=float(np.mean(np.sum(grads_at_opt**2, axis=1))),
@@ -270,7 +272,7 @@ LABELS = {"d-psgd": "D-PSGD", "dmsgd": "DmSGD", "decentlam": "DecentLaM", "gradi
 
 
 def plot_curves(results: dict[str, Any], path: str) -> None:
-  """Per topology: seed 001's two figures (D-PSGD / DmSGD / DecentLaM at lr and lr/2), then all six methods."""
+  """Per topology: Yuan's two figures (D-PSGD / DmSGD / DecentLaM at lr and lr/2), then all six methods."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

@@ -1,4 +1,5 @@
-"""Seed 001: DmSGD vs DecentLaM vs PmSGD as the total batch grows.
+"""DmSGD vs DecentLaM vs PmSGD as the total batch grows (Kun Yuan, "Decentralized Optimization Algorithms
+for Large-Scale Deep Neural Network Training", lecture, 2021).
 
 ``python experiments/large_batch/main.py --out DIR [--quick] [--data-dir CIFAR10_DIR]``
 """

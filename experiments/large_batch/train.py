@@ -1,4 +1,5 @@
-"""Seed 001 (DecentLaM): DmSGD vs DecentLaM vs PmSGD as the total batch grows.
+"""DmSGD vs DecentLaM vs PmSGD as the total batch grows, after Kun Yuan, "Decentralized Optimization
+Algorithms for Large-Scale Deep Neural Network Training" (lecture, Zhejiang University, 2021).
 
 ``n`` nodes train a ResNet-20 (`models.ResNet20`) with momentum SGD three ways:
 
@@ -9,7 +10,7 @@
 on a symmetric ring W (DecentLaM refuses a directed one). Every batch size gets the same
 budget of epochs, so a larger total batch means fewer, larger steps; the learning rate
 follows the linear scaling rule (``base_learning_rate * total_batch / base_batch``) with a
-linear warm-up and a cosine decay, as large-batch training does. Seed 001's claim: at a
+linear warm-up and a cosine decay, as large-batch training does. Yuan's claim: at a
 small batch all three are alike, and as the batch (hence the learning rate) grows DmSGD's
 momentum-amplified inconsistency bias hurts it while DecentLaM keeps up with PmSGD.
 

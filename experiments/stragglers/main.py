@@ -1,4 +1,5 @@
-"""Seed 000's Table 2 (one slow learner in 16): ``python experiments/stragglers/main.py --out DIR``."""
+"""Table 2 of Zhang, Lian, Zhang and Liu, "Decentralized Distributed Deep Learning" (one slow learner
+in 16): ``python experiments/stragglers/main.py --out DIR``."""
 
 import argparse
 import os

@@ -1,4 +1,5 @@
-"""Seed 000, Table 2: one slow learner among 16, for AD-PSGD, D-PSGD and AllReduce.
+"""One slow learner among 16, for AD-PSGD, D-PSGD and AllReduce: Table 2 of Zhang, Lian, Zhang and Liu,
+"Decentralized Distributed Deep Learning".
 
 Real training (a flax MLP on scikit-learn's digits, split iid over 16 learners) in simulated
 time (`gj.asynchrony`): a learner's gradient takes ``base_time * slowdown`` simulated

@@ -1,4 +1,5 @@
-"""Seed 001's topology table: ``python experiments/topologies/main.py --out DIR``."""
+"""The topology table of Yuan (2021), "Decentralized Optimization Algorithms for Large-Scale Deep Neural
+Network Training": ``python experiments/topologies/main.py --out DIR``."""
 
 import argparse
 import os

@@ -1,4 +1,6 @@
-"""Seed 001's topology table: messages per step, rho, gossip decay, and D-PSGD's steps to a target accuracy.
+"""The topology table of Kun Yuan, "Decentralized Optimization Algorithms for Large-Scale Deep Neural Network
+Training" (lecture, Zhejiang University, 2021): messages per step, rho, gossip decay, and D-PSGD's steps
+to a target accuracy.
 
 The spectral columns (`spectra`) cover every size; the training column runs D-PSGD
 (``gj.gossip_sgd``, no momentum) on an MLP over scikit-learn's bundled digits through the
@@ -142,24 +144,24 @@ def _fmt_steps(v: float | None, cap: int) -> str:
   return f"> {cap}" if v is None else f"{v:.0f}"
 
 
-# Seed 001's table: per-iteration communication and transient iterations (iid data), as printed there.
-SEED_TABLE = {"ring": ("Ω(2)", "Ω(n^7)"), "star": ("Ω(n)", "Ω(n^7)"), "grid": ("Ω(4)", "Ω(n^5 log2^2(n))"),
+# Yuan's table: per-iteration communication and transient iterations (iid data), as printed there.
+YUAN_TABLE = {"ring": ("Ω(2)", "Ω(n^7)"), "star": ("Ω(n)", "Ω(n^7)"), "grid": ("Ω(4)", "Ω(n^5 log2^2(n))"),
               "torus": ("Ω(4)", "Ω(n^5)"), "half_random": ("Ω(n/2)", "Ω(n^3)"),
               "static_exponential": ("Ω~(1)", "Ω~(n^3)"), "one_peer_exponential": ("Ω(1)", "Ω~(n^3)")}
 
 
 def markdown_table(results: dict[str, Any]) -> str:
-  """Seed 001's table from this run: spectra per n, gossip decay per n, D-PSGD steps to target."""
+  """Yuan's table from this run: spectra per n, gossip decay per n, D-PSGD steps to target."""
   config = results["config"]
   sizes = config["sizes"]
   spec = {(r["topology"], r["n"]): r for r in results["spectral"]}
   per_n = " / ".join(str(n) for n in sizes)
-  lines = [f"| topology | seed 001: comm. / transient iters. | messages per node per step, max (n = {per_n}) "
+  lines = [f"| topology | Yuan (2021): comm. / transient iters. | messages per node per step, max (n = {per_n}) "
            f"| mean | " + " | ".join(f"rho, n={n}" for n in sizes) + " |", "| --- " * (4 + len(sizes)) + "|"]
   for name in config["topologies"]:
     rs = [spec[name, n] for n in sizes]
     rhos = [_fmt_rho(r) for r in rs]
-    seed = " / ".join(SEED_TABLE.get(name, ("", "")))
+    seed = " / ".join(YUAN_TABLE.get(name, ("", "")))
     most = " / ".join(str(r["messages_max"]) for r in rs)
     mean = " / ".join(f"{r['messages_mean']:.3g}" for r in rs)
     lines.append(f"| {LABELS[name]} | {seed} | {most} | {mean} | " + " | ".join(rhos) + " |")

@@ -16,7 +16,8 @@ from gossipjax._src.mixing import (
 
 
 def _check_symmetric(topology, beta) -> None:
-  """DecentLaM assumes a symmetric W (seed 001, assumption A.3); on a directed graph its
+  """DecentLaM assumes a symmetric W (assumption A.3 in Kun Yuan, "Decentralized Optimization
+  Algorithms for Large-Scale Deep Neural Network Training", lecture, 2021); on a directed graph its
   heavy-ball consensus recursion ``x+ = W x + beta (x - x_prev)`` can be unstable."""
   if topology.is_symmetric():
     return
@@ -46,7 +47,7 @@ def decentlam(
     learning_rate: optax.ScalarOrSchedule = 0.1,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""DecentLaM (Yuan et al., ICCV 2021; Algorithm 2 of seed 001).
+  r"""DecentLaM (Yuan et al., ICCV 2021; Algorithm 2 of Yuan's 2021 lecture).
 
   The momentum is fed the gossip-corrected gradient, so the momentum-induced part of the
   inconsistency bias vanishes (bias ``O(lr^2 b^2 / (1 - rho)^2)``, as D-PSGD):

@@ -26,7 +26,9 @@ def easgd(
     every: int = 1,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Synchronous elastic averaging SGD (Zhang, Choromanska and LeCun, NeurIPS 2015; seed 003).
+  r"""Synchronous elastic averaging SGD (Zhang, Choromanska and LeCun, NeurIPS 2015;
+  the baseline of "Rethinking the Value of Asynchronous Solvers for Distributed Deep Learning",
+  HPC Asia 2020).
 
   Each worker is pulled towards a center variable ``\tilde x`` and the center towards the
   workers' average (the paper's equations (5)-(6); the elastic terms are applied every

@@ -37,7 +37,8 @@ def extra(
   carries ``c^k = \tilde W x^{k-1} - \gamma \nabla f(x^{k-1})`` (``c^0 = x^0``) so that each
   step is one gossip round: ``x^{k+1} = x^k + W x^k - \gamma \nabla f(x^k) - c^k``.
 
-  Seed 001 writes EXTRA as ``x^{k+1} = W(2x^k - x^{k-1}) - \gamma(\ldots)``, i.e.
+  Kun Yuan ("Decentralized Optimization Algorithms for Large-Scale Deep Neural Network Training",
+  lecture, 2021) writes EXTRA as ``x^{k+1} = W(2x^k - x^{k-1}) - \gamma(\ldots)``, i.e.
   ``\tilde W = W`` and ``2W - I`` in place of ``I + W``; that form diverges when W has an
   eigenvalue below ``-1/3`` (a ring of even size with weights 1/3 sits on that edge), while
   Shi et al.'s ``\tilde W = (I + W) / 2`` is stable for every symmetric doubly stochastic W.

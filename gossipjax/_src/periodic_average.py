@@ -22,8 +22,9 @@ def periodic_average(every: int, backend: Backend | None = None) -> optax.Gradie
   r"""Replaces every node's model by the global average every ``every`` steps.
 
   Chained after any gossip method, this is decentralized SGD with periodic global
-  averaging, DSGD-PGA (Chen, Yuan, Zhang, Pan, Xu and Yin, NeurIPS 2021; seed 001): the
-  cheap gossip steps run in between, and one all-reduce every H steps bounds the
+  averaging, DSGD-PGA (Chen, Yuan, Zhang, Pan, Xu and Yin, NeurIPS 2021; also in Kun Yuan's
+  lecture "Decentralized Optimization Algorithms for Large-Scale Deep Neural Network Training",
+  2021): the cheap gossip steps run in between, and one all-reduce every H steps bounds the
   consensus distance independently of the spectral gap of W.
 
   .. math::

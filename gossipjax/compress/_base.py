@@ -17,7 +17,8 @@ class Compressor:
   Compressors are data (frozen dataclasses), not callables, so ``optax.inject_hyperparams``
   does not mistake one for a schedule. Both methods act on **one node's** pytree (no node
   axis); algorithms ``jax.vmap`` them over the stacked nodes. Every leaf (layer) is
-  compressed on its own, as in seed 002 ("every layer has different shape ... the threshold
+  compressed on its own, as in Cui (2019), "Decentralized Deep Learning with Gradient
+  Compression" ("every layer has different shape ... the threshold
   should be calculated independently").
 
   Attributes:

@@ -113,11 +113,12 @@ class ThresholdMean(Compressor):
 
 
 def threshold_mean(absolute: bool = True) -> ThresholdMean:
-  """Seed 002's sparsifier: keep the entries of each layer that reach the layer's mean.
+  """Cui's sparsifier: keep the entries of each layer that reach the layer's mean (Cui 2019,
+  "Decentralized Deep Learning with Gradient Compression").
 
   With ``absolute=True`` (default) an entry is kept when ``|x_i| >= mean_j |x_j|``: the
   magnitude reading, a contraction (the largest entry is always kept, so
-  ``delta >= 1 / d``). ``absolute=False`` is the literal rule of seed 002's Algorithm 1,
+  ``delta >= 1 / d``). ``absolute=False`` is the literal rule of Cui's Algorithm 1,
   ``x_i >= mean_j x_j``, which drops large negative entries and is not a contraction.
   The number of entries kept depends on the data, so ``bits`` is computed from ``x``.
   """

@@ -11,7 +11,9 @@ class Config:
   batch_size: int = 8  # per learner per gradient, the same for all three methods
   learning_rate: float = 0.1
   hidden: int = 64
-  partition: str = "iid"  # iid | dirichlet (seed 000 gives every learner the same distribution)
+  # iid | dirichlet (Zhang, Lian, Zhang and Liu, "Decentralized Distributed Deep Learning", give every
+  # learner the same distribution)
+  partition: str = "iid"
   alpha: float = 0.5
   topology: str = "ring"  # D-PSGD's W and AD-PSGD's peers (the paper's ring-like graph)
   jitter: float = 0.2  # spread of compute times: the order of AD-PSGD's events
