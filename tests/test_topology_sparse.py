@@ -206,3 +206,19 @@ def test_erdos_renyi_past_the_dense_cap_samples_pairs_without_an_n_by_n_draw(mon
   assert abs(edges - expected) < 5 * math.sqrt(expected)
   with pytest.raises(ValueError, match="disconnected"):
     T.erdos_renyi(n, 0.001, seed=0)
+
+
+def test_plans_and_sparse_adjacency_are_accepted_and_checked():
+  ring = T.ring(10)
+  again = T.Topology.from_plans(ring.plans(), name="again")
+  np.testing.assert_array_equal(again.matrix(), ring.matrix())
+  adj = sp.csr_array(_grid(3, 4, False))
+  np.testing.assert_array_equal(T.weights_from_adjacency(adj, "metropolis").toarray(),
+                                T.weights_from_adjacency(adj.toarray(), "metropolis"))
+  np.testing.assert_array_equal(T.from_adjacency(adj, "metropolis").matrix(), T.grid(3, 4, "metropolis").matrix())
+  plan = ring.plans()[0]
+  bad = T.MixingPlan(plan.self_weight, (plan.rounds[0], T.Round(plan.rounds[1].src, -plan.rounds[1].weight, None)))
+  with pytest.raises(ValueError, match=r"negative weight W\[0, 9\] = -0.333333"):
+    T.Topology.from_plans(bad)
+  with pytest.raises(ValueError, match="same n"):
+    T.Topology.from_plans([plan, T.ring(11).plans()[0]])

@@ -94,8 +94,13 @@ class Topology:
 
   def max_degree(self) -> int:
     """Largest number of messages any node receives in one step."""
-    return max(int(sum((r.weight > 0).astype(np.int64) for r in p.rounds).max(initial=0)) if p.rounds else 0
-               for p in self._plans)
+    most = 0
+    for plan in self._plans:
+      received = np.zeros(self.num_nodes, np.int64)
+      for r in plan.rounds:
+        received += r.weight > 0
+      most = max(most, int(received.max()))
+    return most
 
   def check(self, stochastic: Stochasticity = "doubly", connected: bool = True) -> "Topology":
     """Raises ``ValueError`` unless W is stochastic as required (and connected).
@@ -190,7 +195,7 @@ def _to_plans(matrices: Any, name: str) -> tuple[MixingPlan, ...]:
 
 
 def _num_nodes(m: Any) -> int:
-  return m.num_nodes if isinstance(m, MixingPlan) else np.shape(m)[0] if not sp.issparse(m) else m.shape[0]
+  return m.num_nodes if isinstance(m, MixingPlan) else m.shape[0]
 
 
 def _check_entries(entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]], name: str) -> None:
