@@ -1,5 +1,7 @@
 """The simulated-time asynchrony tools held against plain NumPy event loops and invariants."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,6 +141,50 @@ def test_adpsgd_pair_averages_conserve_the_sum_under_losses():
   state = sim.run(sim.init(x0, jax.random.key(3)), 400)
   np.testing.assert_allclose(state.params["w"].sum(0), x0["w"].sum(0), atol=1e-12)
   assert float(gj.consensus_distance(state.params)) < 1e-6 * float(gj.consensus_distance(x0))
+
+
+def test_adpsgd_event_queue_is_argmin_under_ties():
+  from gossipjax.asynchrony._simulator import _EventQueue
+
+  rng = np.random.default_rng(0)
+  for n in (1, 2, 5, 8, 13):
+    finish = jnp.asarray(rng.integers(0, 4, n).astype(float))  # many ties: the lowest index must win
+    queue, update = _EventQueue.build(finish), jax.jit(_EventQueue.update)
+    for _ in range(40):
+      assert int(queue.node) == int(jnp.argmin(finish)) and float(queue.time) == float(finish.min())
+      i, t = queue.node, finish[queue.node] + float(rng.integers(0, 3))
+      finish = finish.at[i].set(t)
+      queue = update(queue, finish, i, t)
+
+
+def test_adpsgd_event_cost_does_not_grow_with_n():
+  # 131,072 nodes of 64 floats: a dense n x n peer mask alone would be 16 GiB, and an
+  # event that copies the (n, d) params (64 MiB) would make these 20,000 events take
+  # minutes; an event that touches only its two nodes takes a fraction of a second.
+  n, d, events = 131072, 64, 20000
+  rng = np.random.default_rng(0)
+  data = gj.data.node_data(rng.normal(size=(n, d)), rng.normal(size=n), np.arange(n)[:, None])
+  loss_fn = lambda x, batch: 0.5 * jnp.mean((batch[0] @ x - batch[1]) ** 2)
+  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.3), 0.1, batch_size=1)
+  t0 = time.perf_counter()
+  state = sim.run(sim.init(jnp.zeros((n, d)), jax.random.key(0)), events)
+  jax.block_until_ready(state)
+  assert time.perf_counter() - t0 < 30.0  # compile included
+  assert int(state.events) == events and int(state.averages) == events
+  assert np.isfinite(state.params).all()
+
+
+def test_adpsgd_peers_come_from_the_sparse_plans():
+  n = 64
+  _, _, data, loss_fn = one_sample_problem(n)
+  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.5), 0.0, batch_size=1, topology=gj.topology.ring(n))
+  x0 = {"w": jnp.asarray(np.eye(n)[:, :D])}  # node i holds e_i (i < 3): mass moves along ring edges only
+  state = sim.run(sim.init(x0, jax.random.key(0)), 3)
+  w = np.asarray(state.params["w"])
+  for k in range(D):
+    reached = np.flatnonzero(w[:, k])
+    assert np.all(np.minimum(np.abs(reached - k), n - np.abs(reached - k)) <= 3)
+  np.testing.assert_allclose(w.sum(0), 1.0, atol=1e-12)
 
 
 def test_synchronous_round_is_the_slowest_node():

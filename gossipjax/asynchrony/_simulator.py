@@ -15,14 +15,13 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
 from gossipjax.asynchrony._cluster import Cluster, compute_time, transfer_time
 from gossipjax.asynchrony._faults import Faults, delivered_mask, down_during, is_up
+from gossipjax.asynchrony._plans import peer_lists
 from gossipjax.data import NodeData, sample_batches
-from gossipjax.topology import as_topology
 
 LossFn = Callable[[Any, tuple[jax.Array, jax.Array]], jax.Array]
 
@@ -78,20 +77,80 @@ def _node_batch(data: NodeData, key: jax.Array, node: jax.Array, batch_size: int
   """``batch_size`` samples of ``node``'s own data, with replacement (as `sample_batches`)."""
   size = data.sizes[node]
   pos = jnp.minimum((jax.random.uniform(key, (batch_size,)) * size).astype(jnp.int32), size - 1)
-  rows = data.index[node][pos]
+  rows = data.index[node, pos]
   return data.inputs[rows], data.targets[rows]
 
 
-def _peer_mask(topology: Any, n: int) -> np.ndarray:
-  if topology is None:
-    return ~np.eye(n, dtype=bool)
-  topo = as_topology(topology)
-  adj = np.zeros((n, n), bool)
-  for k in range(topo.period):
-    adj |= topo.matrix(k) != 0
-  adj |= adj.T
-  np.fill_diagonal(adj, False)
-  return adj
+class _EventQueue(NamedTuple):
+  """A tournament tree over the nodes' finish times: the next event in O(log n).
+
+  ``winner`` is a heap-ordered array of 2 * size - 1 node indices (size: n rounded up to a
+  power of two; position 0 is the root, the children of position p are 2p + 1 and 2p + 2,
+  the last ``size`` positions are the leaves, leaf k holding node k). An inner position
+  holds the node with the earliest finish time below it, the lower index on a tie, so the
+  root is exactly ``argmin(finish)``; padding leaves (k >= n) never win. ``node`` and
+  ``time`` are the root's winner and its finish time, kept as scalars so that an event
+  does not read them back from arrays it writes (a read that XLA may schedule after a
+  write to the same buffer makes it copy the whole buffer, every event).
+  """
+
+  winner: jax.Array
+  node: jax.Array
+  time: jax.Array
+
+  @staticmethod
+  def build(finish: jax.Array) -> "_EventQueue":
+    n = finish.shape[0]
+    size = 1 << max(n - 1, 0).bit_length()
+    time = jnp.concatenate([finish, jnp.full(size - n, jnp.inf, finish.dtype)])
+    level, levels = jnp.arange(size, dtype=jnp.int32), []
+    while True:
+      levels.append(level)
+      if level.shape[0] == 1:
+        break
+      left, right = level[0::2], level[1::2]
+      level = jnp.where(time[right] < time[left], right, left)
+    return _EventQueue(jnp.concatenate(levels[::-1]), level[0], time[level[0]])
+
+  def update(self, finish: jax.Array, node: jax.Array, node_time: jax.Array) -> "_EventQueue":
+    """The queue after ``finish[node]`` became ``node_time``: replays the matches on node's path.
+
+    Only the path from node's leaf to the root changes, and each match on it is against the
+    unchanged winner of the sibling subtree: the siblings are read in one gather and the
+    path written in one scatter (interleaved reads and writes would make XLA copy the array).
+    """
+    n = finish.shape[0]
+    size = (self.winner.shape[0] + 1) // 2
+    depth = size.bit_length() - 1
+    if depth == 0:
+      return _EventQueue(self.winner, node, node_time)
+    # 1-based heap numbering: the leaf of node is node + size, the parent of p is p >> 1.
+    path = (node + size) >> jnp.arange(depth, dtype=node.dtype)
+    sibling = self.winner[(path ^ 1) - 1]
+    sibling_time = jnp.where(sibling < n, finish[jnp.minimum(sibling, n - 1)], jnp.inf)
+    win, best, wins = node, node_time, []
+    for level in range(depth):  # a few scalar ops per level, unrolled
+      own_is_left = path[level] % 2 == 0
+      # A tie goes to the left subtree, which holds the lower node indices.
+      sib_wins = jnp.where(own_is_left, sibling_time[level] < best, sibling_time[level] <= best)
+      win, best = jnp.where(sib_wins, sibling[level], win), jnp.minimum(best, sibling_time[level])
+      wins.append(win)
+    winner = self.winner.at[(path >> 1) - 1].set(jnp.stack(wins), unique_indices=True)
+    return _EventQueue(winner, win, best)
+
+
+def _down_at(f: Faults, node: jax.Array, t: jax.Array) -> jax.Array:
+  """Whether ``node`` is down at time ``t``: O(outages), where `is_up` is O(n * outages)."""
+  return ((f.node == node) & (f.start <= t) & (t < f.end)).any()
+
+
+def _set_row(x: jax.Array, row: jax.Array, value: jax.Array) -> jax.Array:
+  """``x.at[row].set(value)`` as a one-row scatter, which XLA does in place in a scan."""
+  return x.at[row].set(value.astype(x.dtype), unique_indices=True)
+
+
+def _row(x: jax.Array, row: jax.Array) -> jax.Array:
+  return lax.dynamic_index_in_dim(x, row, 0, keepdims=False)
 
 
 def adpsgd(
@@ -116,12 +175,16 @@ def adpsgd(
     x_i \leftarrow x_i - \gamma \nabla F_i(\hat x_i; \xi_i).
 
   The event loop lives inside ``jit``: the state keeps each node's next finish time, and
-  every ``lax.scan`` step takes the argmin (the next event on the simulated clock), so the
+  every ``lax.scan`` step takes the earliest (the next event on the simulated clock), so the
   events are processed in time order. One event is one node's gradient; a node's cycle
   costs its compute time plus one pair exchange (``latency + model_bytes / bandwidth``).
   A slow node simply has fewer events: the others never wait for it, and its rare stale
   gradient is one ordinary-sized SGD step (its model, averaged into by its peers while it
   computed, is not stale).
+
+  An event costs O(d + log n) for d parameters per node: the next event comes from a
+  tournament tree over the finish times (rebuilt in O(n) at the start of each ``run``), the
+  peer from the node's own list of neighbours, and the two models change in place.
 
   Faults (see `gj.asynchrony.faults`): a node whose gradient overlaps one of its down
   intervals loses that gradient and starts afresh when it rejoins, with the model it had;
@@ -134,9 +197,10 @@ def adpsgd(
     cluster: the timing model (``gj.asynchrony.cluster``).
     learning_rate: gamma.
     batch_size: samples per gradient.
-    topology: peers are the neighbours in this graph (any ``gj.topology``; the paper uses
-      a bipartite ring-like graph to avoid deadlocks of real locks, which cannot happen
-      here); ``None``: a uniform random peer among all other nodes.
+    topology: peers are the neighbours in this graph (any ``gj.topology``, its edges over
+      one period taken in both directions; the paper uses a bipartite ring-like graph to
+      avoid deadlocks of real locks, which cannot happen here); ``None``: a uniform random
+      peer among all other nodes.
     model_bytes: size of a model, for the link time of a pair exchange.
     faults: optional node outages and message losses.
 
@@ -146,9 +210,37 @@ def adpsgd(
   n = cluster.num_nodes
   if data.num_nodes != n:
     raise ValueError(f"adpsgd: data has {data.num_nodes} nodes, cluster {n}")
-  peers = jnp.asarray(_peer_mask(topology, n))
   comm = transfer_time(cluster, model_bytes)
   grad_fn = jax.grad(loss_fn)
+
+  if topology is None:
+    degree = lambda i: jnp.asarray(n - 1, jnp.int32)
+    peer = lambda i, k: k + (k >= i).astype(k.dtype)  # the k-th node other than i
+  else:
+    indptr, indices = (jnp.asarray(a) for a in peer_lists(topology))
+    degree = lambda i: indptr[i + 1] - indptr[i]
+    peer = lambda i, k: indices[jnp.minimum(indptr[i] + k, indices.shape[0] - 1)]
+
+  def draw_peer(key, i, t):
+    """A uniform peer of i among those up at t, and whether there is one."""
+    deg = degree(i)
+    if faults is None:
+      k = jax.random.randint(key, (), 0, jnp.maximum(deg, 1), jnp.int32)
+      return peer(i, k), deg > 0
+    # Is any peer up? Scan i's peers until one is: O(1 + outages) steps unless most are down.
+    down = lambda k: _down_at(faults, peer(i, k), t)
+    first = lax.while_loop(lambda k: (k < deg) & down(k), lambda k: k + 1, jnp.zeros([], jnp.int32))
+    found = first < deg
+
+    # Rejection sampling is exactly uniform over the peers that are up.
+    def draw(c):
+      key, _, _ = c
+      key, sub = jax.random.split(key)
+      j = peer(i, jax.random.randint(sub, (), 0, jnp.maximum(deg, 1), jnp.int32))
+      return key, j, ~_down_at(faults, j, t)
+
+    _, j, _ = lax.while_loop(lambda c: ~c[2], draw, (key, i, ~found))
+    return j, found
 
   def init(params, key):
     key, sub = jax.random.split(key)
@@ -157,47 +249,47 @@ def adpsgd(
     return AsyncState(params, params, jnp.zeros_like(finish), finish, jnp.zeros_like(comm), zero,
                       jnp.zeros(n, jnp.int32), zero, zero, zero, key)
 
-  def event(s: AsyncState, _):
-    i = jnp.argmin(s.next_finish)
-    t = s.next_finish[i]
+  def event(carry, _):
+    s, queue = carry
+    i, t = queue.node, queue.time
     key, k_batch, k_peer, k_loss, k_time = jax.random.split(s.key, 5)
-    take = lambda tree, k: jax.tree.map(lambda x: x[k], tree)
-    g = grad_fn(take(s.read, i), _node_batch(data, k_batch, i, batch_size))
+    g = grad_fn(jax.tree.map(lambda r: _row(r, i), s.read), _node_batch(data, k_batch, i, batch_size))
 
     if faults is None:
       crashed, restart = jnp.array(False), t
-      cand = peers[i]
       exchange_ok = jnp.array(True)
     else:
       crashed, restart = down_during(faults, i, s.started[i], t)
-      cand = peers[i] & is_up(faults, t, n)
       exchange_ok = jax.random.uniform(k_loss) >= faults.loss_prob
-    j = jax.random.categorical(k_peer, jnp.where(cand, 0.0, -jnp.inf))
-    do_avg = cand.any() & exchange_ok & ~crashed
+    j, has_peer = draw_peer(k_peer, i, t)
+    do_avg = has_peer & exchange_ok & ~crashed
 
-    def update(x):
-      xi, xj = x[i], x[j]
-      avg = jnp.where(do_avg, 0.5 * (xi + xj), xi)
-      x = x.at[j].set(jnp.where(do_avg, avg, xj))
-      return x, avg
+    # Both rows change in one scatter: two dynamic-update-slices in a row, the second
+    # writing a value computed from the buffer before the first, make XLA copy the whole
+    # (n, ...) buffer every event. Row j's write is dropped (index n) when there is no average.
+    rows = jnp.stack([jnp.where(do_avg, j, n), i])
 
     def leaf(x, gi):
-      x, avg = update(x)
-      return x.at[i].set(jnp.where(crashed, x[i], avg - learning_rate * gi).astype(x.dtype))
+      xi, xj = _row(x, i), _row(x, j)
+      avg = jnp.where(do_avg, 0.5 * (xi + xj), xi)
+      new = jnp.stack([avg, jnp.where(crashed, xi, avg - learning_rate * gi)]).astype(x.dtype)
+      return x.at[rows].set(new, mode="drop", unique_indices=True)
 
     params = jax.tree.map(leaf, s.params, g)
-    read = jax.tree.map(lambda r, x: r.at[i].set(x[i]), s.read, params)
+    read = jax.tree.map(lambda r, x: _set_row(r, i, _row(x, i)), s.read, params)
     start = jnp.where(crashed, restart, t)
     finish = start + compute_time(cluster, k_time, i) + comm
     ok = (~crashed).astype(jnp.int32)
-    return AsyncState(
-        params, read, s.started.at[i].set(start), s.next_finish.at[i].set(finish), t,
-        s.events + ok, s.counts.at[i].add(ok), s.samples + ok * batch_size,
-        s.averages + do_avg.astype(jnp.int32), s.lost + (~do_avg & ~crashed).astype(jnp.int32), key), None
+    next_finish = _set_row(s.next_finish, i, finish)
+    s = AsyncState(
+        params, read, _set_row(s.started, i, start), next_finish, t,
+        s.events + ok, _set_row(s.counts, i, s.counts[i] + ok), s.samples + ok * batch_size,
+        s.averages + do_avg.astype(jnp.int32), s.lost + (~do_avg & ~crashed).astype(jnp.int32), key)
+    return (s, queue.update(s.next_finish, i, finish)), None
 
   @functools.partial(jax.jit, static_argnums=1)
   def run(state, num_events):
-    return lax.scan(event, state, None, length=num_events)[0]
+    return lax.scan(event, (state, _EventQueue.build(state.next_finish)), None, length=num_events)[0][0]
 
   return Simulator(init, run)
 
