@@ -1,6 +1,7 @@
 import gzip
 import os
 import pickle
+import time
 
 import jax
 import numpy as np
@@ -24,6 +25,42 @@ def test_dirichlet_small_alpha_skews_and_large_alpha_does_not():
     assert sorted(np.concatenate(parts).tolist()) == list(range(len(LABELS)))
     return np.mean([np.bincount(LABELS[p], minlength=10).max() / len(p) for p in parts])
   assert skew(0.05) > 0.6 > 0.25 > skew(1000.0)
+
+
+def dirichlet_reference(labels, num_nodes, alpha, seed):
+  """The partition rule written plainly: deal each class's chunks, then feed every starved
+  node the last-dealt sample of the largest node (the lowest index among equals)."""
+  rng = np.random.default_rng(seed)
+  parts = [[] for _ in range(num_nodes)]
+  for c in np.unique(labels):
+    idx = rng.permutation(np.flatnonzero(labels == c))
+    cuts = (np.cumsum(rng.dirichlet(np.full(num_nodes, alpha)))[:-1] * len(idx)).astype(int)
+    for node, chunk in enumerate(np.split(idx, cuts)):
+      parts[node].extend(chunk.tolist())
+  for node in range(num_nodes):
+    if not parts[node]:
+      donor = max(range(num_nodes), key=lambda j: len(parts[j]))
+      parts[node].append(parts[donor].pop())
+  return [np.sort(p) for p in parts]
+
+
+@pytest.mark.parametrize("num_nodes,alpha,seed", [(10, 0.05, 0), (40, 0.01, 1), (250, 0.1, 2), (299, 1.0, 3), (7, 100.0, 4)])
+def test_dirichlet_matches_the_plain_rule(num_nodes, alpha, seed):
+  labels = np.random.default_rng(seed).integers(0, 7, 300)
+  got = D.partition_dirichlet(labels, num_nodes, alpha, seed=seed)
+  want = dirichlet_reference(labels, num_nodes, alpha, seed)
+  assert len(got) == num_nodes and all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_dirichlet_with_many_starved_nodes_is_fast():
+  # 50,000 nodes for 60,000 samples of 10 classes: most nodes get no chunk of their own
+  # and are fed one by one; a scan over all nodes per starved node took minutes.
+  labels = np.random.default_rng(0).integers(0, 10, 60_000)
+  t0 = time.perf_counter()
+  parts = D.partition_dirichlet(labels, 50_000, 0.1, seed=0)
+  assert time.perf_counter() - t0 < 10.0
+  assert min(map(len, parts)) == 1
+  assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(60_000))
 
 
 def test_by_class_gives_each_node_its_classes_only():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -42,18 +43,32 @@ def partition_dirichlet(labels: np.ndarray, num_nodes: int, alpha: float, seed: 
   if not alpha > 0:
     raise ValueError(f"partition_dirichlet: alpha must be > 0, got {alpha}")
   rng = np.random.default_rng(seed)
-  parts: list[list[int]] = [[] for _ in range(num_nodes)]
+  samples, owners = [], []
   for c in np.unique(labels):
     idx = rng.permutation(np.flatnonzero(labels == c))
     props = rng.dirichlet(np.full(num_nodes, alpha))
     cuts = (np.cumsum(props)[:-1] * len(idx)).astype(int)
-    for node, chunk in enumerate(np.split(idx, cuts)):
-      parts[node].extend(chunk.tolist())
-  # A very small alpha can starve a node; give it one sample from the largest node.
+    samples.append(idx)
+    owners.append(np.searchsorted(cuts, np.arange(len(idx)), side="right"))  # the chunk of np.split(idx, cuts)
+  # Each node's samples in the order they were dealt (class by class), one stable sort.
+  samples, owners = np.concatenate(samples), np.concatenate(owners)
+  order = np.argsort(owners, kind="stable")
+  bounds = np.cumsum(np.bincount(owners, minlength=num_nodes))[:-1]
+  parts = [chunk.tolist() for chunk in np.split(samples[order], bounds)]
+  # A very small alpha can starve a node; give it the last-dealt sample of the largest node
+  # (the lowest index among equals). A heap of (-size, node) finds it in O(log n) per
+  # starved node, where a scan over all nodes would make this quadratic.
+  heap = [(-len(p), node) for node, p in enumerate(parts)]
+  heapq.heapify(heap)
   for node in range(num_nodes):
     if not parts[node]:
-      donor = max(range(num_nodes), key=lambda j: len(parts[j]))
+      while True:  # skip entries made stale by an earlier donation
+        size, donor = heapq.heappop(heap)
+        if -size == len(parts[donor]):
+          break
       parts[node].append(parts[donor].pop())
+      heapq.heappush(heap, (-len(parts[donor]), donor))
+      heapq.heappush(heap, (-1, node))
   return _finish([np.array(p) for p in parts], "partition_dirichlet")
 
 
