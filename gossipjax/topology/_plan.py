@@ -21,7 +21,8 @@ def check_dense_size(n: int, what: str, count: int = 1) -> None:
   """Refuses ``count`` dense n x n matrices past ``MAX_DENSE_NODES ** 2`` entries in all."""
   if count * n * n > MAX_DENSE_NODES**2:
     raise ValueError(
-        f"{what}: {count} dense {n} x {n} matrix(es) would take {count * n * n * 8 / 2**30:.1f} GiB; "
+        f"{what}: {'a dense' if count == 1 else f'{count} dense'} {n} x {n} "
+        f"{'matrix' if count == 1 else 'matrices'} would take {count * n * n * 8 / 2**30:.1f} GiB; "
         f"dense mixing matrices are built only up to n = {MAX_DENSE_NODES} nodes. Use the sparse form: "
         "topology.sparse(step) (a scipy.sparse CSR matrix) or topology.plans() (self weights and exchange rounds)"
     )

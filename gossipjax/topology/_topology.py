@@ -18,7 +18,6 @@ Stochasticity = Literal["row", "column", "doubly", "none"]
 _TOL = 1e-9
 
 
-
 class Topology:
   """A communication graph with its mixing weights, possibly time-varying.
 
