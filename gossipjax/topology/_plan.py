@@ -61,7 +61,8 @@ class Round:
   @property
   def pairs(self) -> tuple[tuple[int, int], ...]:
     """``(source, destination)`` pairs, the form ``lax.ppermute`` takes."""
-    return tuple((int(self.src[i]), i) for i in np.flatnonzero(self.weight))
+    dst = np.flatnonzero(self.weight)
+    return tuple(zip(self.src[dst].tolist(), dst.tolist()))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
