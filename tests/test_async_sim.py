@@ -225,6 +225,60 @@ def test_faulty_mix_without_faults_is_gossip_sgd_and_freezes_down_nodes():
   up = jnp.arange(n) != 4
   u, _ = tx.update(g, tx.init(x), x, up=up, delivered=jnp.ones((n, n), bool))
   np.testing.assert_array_equal(u[4], 0.0)
+  u, _ = tx.update(g, tx.init(x), x, up=up, loss_key=jax.random.key(0), loss_prob=0.0)
+  np.testing.assert_array_equal(u[4], 0.0)
+
+
+@pytest.mark.parametrize("topo", [gj.topology.torus(3, 4), gj.topology.one_peer_exponential(12),
+                                  gj.topology.erdos_renyi(12, 0.4, seed=1)], ids=lambda t: t.name)
+def test_faulty_mix_on_the_plans_is_the_dense_renormalized_rule(topo):
+  n = topo.num_nodes
+  rng = np.random.default_rng(0)
+  x, g = (jnp.asarray(rng.normal(size=(n, D))) for _ in range(2))
+  f = ga.faults(down=[(2, 0.0, 10.0), (7, 5.0, 6.0)], loss_prob=0.3)
+  tx = ga.faulty_mix(topo)
+  state = tx.init(x)
+  for step in range(2 * topo.period):
+    key = jax.random.key(step)
+    up = ga.is_up(f, float(step), n)
+    np.testing.assert_array_equal(up, [i != 2 and not (i == 7 and step == 5) for i in range(n)])
+    w = ga.renormalize(jnp.asarray(topo.matrix(step)), up, ga.delivered_mask(f, key, n))
+    u, state = tx.update(g, state, x, up=up, loss_key=key, loss_prob=f.loss_prob)
+    want = w @ (x + jnp.where(up[:, None], g, 0.0)) - x
+    np.testing.assert_allclose(u, want, atol=1e-13)
+    dense, _ = tx.update(g, tx.init(x), x, up=up, delivered=ga.delivered_mask(f, key, n))
+    if step == 0:
+      np.testing.assert_allclose(dense, want, atol=1e-13)
+
+
+def test_delivered_edges_draws_one_number_per_link_and_loses_both_directions():
+  f = ga.faults(loss_prob=0.5)
+  key = jax.random.key(0)
+  m = np.asarray(ga.delivered_mask(f, key, 40))
+  np.testing.assert_array_equal(m, m.T)
+  assert m.diagonal().all() and 0.4 < 1 - m.mean() < 0.6
+  dst, src = np.array([3, 17, 39]), np.array([9, 2, 0])
+  np.testing.assert_array_equal(ga.delivered_edges(f, key, dst, src), m[dst, src])
+  one_way = np.asarray(ga.delivered_mask(f, key, 40, symmetric=False))
+  assert (one_way != one_way.T).any()
+
+
+def test_faulty_mix_step_is_linear_in_n():
+  # 262,144 nodes on a ring: the dense W alone would be 512 GiB; on the plans a step is two
+  # gathers and one random draw per link.
+  n = 262144
+  topo = gj.topology.ring(n)
+  f = ga.faults(down=[(5, 0.0, 1.0)], loss_prob=0.2)
+  tx = ga.faulty_mix(topo)
+  x = jnp.ones((n, 4))
+  step = jax.jit(lambda x, key: tx.update(x, tx.init(x), x, up=ga.is_up(f, 0.5, n), loss_key=key,
+                                          loss_prob=f.loss_prob)[0])
+  t0 = time.perf_counter()
+  u = jax.block_until_ready(step(x, jax.random.key(0)))
+  assert time.perf_counter() - t0 < 20.0
+  np.testing.assert_allclose(u[5], 0.0)  # down: frozen
+  live = np.arange(n) != 5
+  np.testing.assert_allclose(u[live], 1.0, atol=1e-12)  # live nodes average only twos (ones plus ones)
 
 
 def test_synchronous_dpsgd_with_faults_keeps_training():

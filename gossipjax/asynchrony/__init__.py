@@ -11,7 +11,15 @@ from gossipjax.asynchrony._cluster import (
     straggler_cluster,
     transfer_time,
 )
-from gossipjax.asynchrony._faults import Faults, delivered_mask, faults, faulty_mix, is_up, renormalize
+from gossipjax.asynchrony._faults import (
+    Faults,
+    delivered_edges,
+    delivered_mask,
+    faults,
+    faulty_mix,
+    is_up,
+    renormalize,
+)
 from gossipjax.asynchrony._mpi_async import MPIAsyncResult, mpi_adpsgd
 from gossipjax.asynchrony._sgp_sim import SGPSimState, sgp_bounded_staleness, sgp_params
 from gossipjax.asynchrony._simulator import AsyncState, Simulator, SyncState, adpsgd, synchronous
@@ -28,6 +36,7 @@ __all__ = (
     "allreduce_time",
     "cluster",
     "compute_time",
+    "delivered_edges",
     "delivered_mask",
     "faults",
     "faulty_mix",

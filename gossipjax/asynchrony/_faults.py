@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gossipjax.topology import as_topology
+from gossipjax.asynchrony._plans import plan_table
 
 
 class Faults(NamedTuple):
@@ -67,10 +67,10 @@ def faults(down: Sequence[tuple[int, float, float]] = (), loss_prob: float = 0.0
 
 
 def is_up(f: Faults, t: jax.Array, num_nodes: int) -> jax.Array:
-  """bool (n,): which nodes are up at simulated time ``t``."""
+  """bool (n,): which nodes are up at simulated time ``t`` (O(n + outages))."""
   down = (f.start <= t) & (t < f.end)
-  hit = (f.node[None, :] == jnp.arange(num_nodes)[:, None]) & down[None, :]
-  return ~hit.any(axis=1)
+  where = jnp.where(down & (f.node >= 0), f.node, num_nodes)  # num_nodes: out of range, dropped
+  return ~jnp.zeros(num_nodes, bool).at[where].set(True, mode="drop")
 
 
 def down_during(f: Faults, node: jax.Array, t0: jax.Array, t1: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -79,18 +79,42 @@ def down_during(f: Faults, node: jax.Array, t0: jax.Array, t1: jax.Array) -> tup
   return hit.any(), jnp.max(jnp.where(hit, f.end, t0))
 
 
+def delivered_edges(f: Faults, key: jax.Array, dst: jax.Array, src: jax.Array, symmetric: bool = True) -> jax.Array:
+  """bool, shaped as ``dst``: whether ``src[e]``'s message to ``dst[e]`` got through this round.
+
+  Each link draws its own uniform number from ``key`` and its two end points, so a round
+  over a sparse graph draws one number per edge, and the same link gets the same draw
+  wherever it is asked for (`delivered_mask` is this function on every pair). With
+  ``symmetric`` both directions of a link share one draw: they are lost together.
+  """
+  return _delivered(key, f.loss_prob, dst, src, symmetric)
+
+
+def _delivered(key: jax.Array, loss_prob: jax.Array, dst: Any, src: Any, symmetric: bool = True) -> jax.Array:
+  dst, src = jnp.broadcast_arrays(jnp.asarray(dst, jnp.int32), jnp.asarray(src, jnp.int32))
+  first, second = (jnp.minimum(dst, src), jnp.maximum(dst, src)) if symmetric else (src, dst)
+  loss_prob = jnp.asarray(loss_prob)
+  draw = lambda a, b: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, a), b), dtype=loss_prob.dtype)
+  u = jax.vmap(draw)(first.ravel(), second.ravel()).reshape(dst.shape)
+  return (u >= loss_prob) | (dst == src)
+
+
 def delivered_mask(f: Faults, key: jax.Array, num_nodes: int, symmetric: bool = True) -> jax.Array:
-  """bool (n, n): entry ``[i, j]`` says j's message to i got through this round."""
-  ok = jax.random.uniform(key, (num_nodes, num_nodes)) >= f.loss_prob
-  if symmetric:
-    ok = jnp.triu(ok, 1)
-    ok = ok | ok.T
-  return ok | jnp.eye(num_nodes, dtype=bool)
+  """bool (n, n): entry ``[i, j]`` says j's message to i got through this round.
+
+  The dense view of `delivered_edges` (n^2 draws): for analysis and tests at small n.
+  """
+  nodes = jnp.arange(num_nodes)
+  return delivered_edges(f, key, nodes[:, None], nodes[None, :], symmetric)
 
 
 def renormalize(w: jax.Array, up: jax.Array, delivered: jax.Array | None = None) -> jax.Array:
   """``W'``: drops the entries of down nodes and lost messages, and gives each row's lost
-  weight back to its diagonal (rows still sum to one; a down node's row is the identity)."""
+  weight back to its diagonal (rows still sum to one; a down node's row is the identity).
+
+  Dense, for analysis and as the reference of `faulty_mix`, which applies the same W' on
+  the sparse plans.
+  """
   n = w.shape[0]
   keep = (up[:, None] & up[None, :]) & ~jnp.eye(n, dtype=bool)
   if delivered is not None:
@@ -100,40 +124,53 @@ def renormalize(w: jax.Array, up: jax.Array, delivered: jax.Array | None = None)
 
 
 def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
-  r"""``gj.mix`` that tolerates down nodes and lost messages (dense, for simulation).
+  r"""``gj.mix`` that tolerates down nodes and lost messages, on the topology's sparse plans.
 
-  With ``up`` (bool (n,)) and ``delivered`` (bool (n, n)) passed to ``update`` as keyword
-  arguments, a down node keeps its params (its update is dropped) and the live nodes mix
-  with the renormalized matrix of `renormalize`:
+  With ``up`` (bool (n,)) passed to ``update`` as a keyword argument, and the lost messages
+  given either as ``loss_key`` and ``loss_prob`` (each link's fate drawn by
+  `delivered_edges`; what `gj.asynchrony.synchronous` passes) or as a dense ``delivered``
+  (bool (n, n), small n), a down node keeps its params (its update is dropped) and the live
+  nodes mix with the renormalized matrix of `renormalize`:
 
   .. math:: x^{k+1} = W'^{(k)} (x^k + \mathrm{diag}(\mathrm{up})\, u^k)
 
   Without them it is ``x^{k+1} = W^{(k)}(x^k + u^k)``, the rule of ``gj.mix``.
-  ``chain(scale_by_learning_rate(lr), faulty_mix(W))`` is D-PSGD with faults.
+  ``chain(scale_by_learning_rate(lr), faulty_mix(W))`` is D-PSGD with faults. A step costs
+  O(degree * n * d) and draws one number per edge, as the exchange rounds do.
 
   Args:
     topology: a ``gj.topology`` (or a matrix / networkx graph), possibly time-varying.
   """
-  topo = as_topology(topology)
-  mats = np.stack([topo.matrix(k) for k in range(topo.period)])
+  table = plan_table(topology)
+  period, num_rounds, n = table.src.shape
 
   def init_fn(params):
     del params
     return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
 
-  def update_fn(updates, state, params=None, *, up=None, delivered=None, **extra):
+  def update_fn(updates, state, params=None, *, up=None, delivered=None, loss_key=None, loss_prob=None, **extra):
     del extra
     if params is None:
       raise ValueError("faulty_mix needs params")
-    n = mats.shape[1]
+    dtype = jnp.result_type(*jax.tree.leaves(params))
     up = jnp.ones(n, bool) if up is None else up
-    w = jnp.asarray(mats)[state.count % mats.shape[0]]
-    w = renormalize(w.astype(jnp.result_type(*jax.tree.leaves(params))), up, delivered)
+    k = state.count % period
+    src, weight = jnp.asarray(table.src)[k], jnp.asarray(table.weight, dtype)[k]
+    receiver = jnp.arange(n)
+    keep = up[None, :] & up[src] & (weight != 0) & (src != receiver[None, :])
+    if delivered is not None:
+      keep = keep & delivered[receiver[None, :], src]
+    elif loss_key is not None:
+      keep = keep & _delivered(loss_key, jnp.asarray(loss_prob, dtype), receiver[None, :], src)
+    coef = jnp.where(keep, weight, 0.0)
+    self_coef = 1.0 - coef.sum(axis=0)
+    column = lambda v, x: v.astype(x.dtype).reshape((n,) + (1,) * (x.ndim - 1))
 
     def leaf(x, u):
-      u = jnp.where(up.reshape((n,) + (1,) * (u.ndim - 1)), u, jnp.zeros_like(u))
-      x_half = x + u
-      mixed = jnp.tensordot(w, x_half, axes=1)
+      x_half = x + jnp.where(column(up, u), u, jnp.zeros_like(u))
+      mixed = column(self_coef, x) * x_half
+      for r in range(num_rounds):
+        mixed = mixed + column(coef[r], x) * jnp.take(x_half, src[r], axis=0)
       return (mixed - x).astype(x.dtype)
 
     return jax.tree.map(leaf, params, updates), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))

@@ -19,7 +19,7 @@ import optax
 from jax import lax
 
 from gossipjax.asynchrony._cluster import Cluster, compute_time, transfer_time
-from gossipjax.asynchrony._faults import Faults, delivered_mask, down_during, is_up
+from gossipjax.asynchrony._faults import Faults, down_during, is_up
 from gossipjax.asynchrony._plans import peer_lists
 from gossipjax.data import NodeData, sample_batches
 
@@ -312,8 +312,9 @@ def synchronous(
   .. math:: T_{k+1} = T_k + \max_i c_i^k + t_\mathrm{comm}.
 
   With ``faults``, down nodes skip the round (their gradient is zeroed) and ``tx.update``
-  receives ``up`` (bool (n,)) and ``delivered`` (bool (n, n)) as keyword arguments, which
-  `gj.asynchrony.faulty_mix` uses to renormalize W; other transforms ignore them.
+  receives ``up`` (bool (n,)), ``loss_key`` and ``loss_prob`` as keyword arguments, which
+  `gj.asynchrony.faulty_mix` uses to drop the lost messages (one draw per link, see
+  `gj.asynchrony.delivered_edges`) and renormalize W; other transforms ignore them.
 
   Args:
     loss_fn: ``loss_fn(params_of_one_node, (inputs, targets)) -> scalar``.
@@ -346,7 +347,7 @@ def synchronous(
       up = is_up(faults, s.clock, n)
       bcast = lambda g: jnp.where(up.reshape((n,) + (1,) * (g.ndim - 1)), g, jnp.zeros_like(g))
       grads = jax.tree.map(bcast, grads)
-      extra = dict(up=up, delivered=delivered_mask(faults, k_loss, n))
+      extra = dict(up=up, loss_key=k_loss, loss_prob=faults.loss_prob)
     updates, opt_state = tx.update(grads, s.opt_state, s.params, **extra)
     params = optax.apply_updates(s.params, updates)
     length = jnp.max(jnp.where(up, times, 0.0)) + comm_time
