@@ -58,7 +58,8 @@ def random_pairs(n: int, seed: int = 0, period: int = 16) -> Topology:
 
   Step k draws a random perfect matching of the nodes (seeded, so reproducible); matched
   nodes i, j both move to ``(x_i + x_j) / 2``; with n odd one node sits the step out.
-  This is the random-peer gossip of seed 002 and of AD-PSGD (Lian et al. 2018), made
+  This is the random-peer gossip of Cui (2019, "Decentralized Deep Learning with Gradient
+  Compression") and of AD-PSGD (Lian et al. 2018), made
   synchronous. W(k) is symmetric and doubly stochastic, one message per node per step.
 
   Args:
