@@ -316,7 +316,8 @@ def test_sgp_with_tau_0_and_no_delay_is_gj_sgp():
     x, opt = step(x, opt)
   np.testing.assert_allclose(ga.sgp_params(state)["w"], x["w"], atol=1e-12)
   coef = jnp.where(state.pending, state.share, 0.0)
-  np.testing.assert_allclose(state.w + jnp.einsum("sij,sj->i", coef, state.sent_w), opt.push_weight, atol=1e-12)
+  in_flight = coef * jax.vmap(lambda w, src: w[src])(state.sent_w, state.source)
+  np.testing.assert_allclose(state.w + in_flight.sum((0, 1)), opt.push_weight, atol=1e-12)
 
 
 def test_sgp_staleness_hides_a_slow_link_and_stays_exact():
@@ -343,3 +344,68 @@ def test_sgp_staleness_hides_a_slow_link_and_stays_exact():
   sim = ga.sgp_bounded_staleness(loss_fn, data, c, topo, 0.0, 4, tau=3, link_slowdown=slow_link)
   s = sim.run(sim.init(x0, jax.random.key(0)), 150)
   np.testing.assert_allclose(ga.sgp_params(s)["w"], np.broadcast_to(x0["w"].mean(0), (n, D)), atol=1e-6)
+
+
+def sgp_dense_reference(loss_fn, data, c, topo, lr, batch_size, tau, link, x0, key, steps):
+  """SGP with bounded staleness on dense (slots, n, n) message tables, in NumPy: the rule as
+  written in the simulator's docstring (same random draws)."""
+  n, slots = topo.num_nodes, tau + 1
+  grad = jax.vmap(jax.grad(loss_fn))
+  z, w, start = np.array(x0["w"]), np.ones(n), np.zeros(n)
+  sent_z, sent_w = np.zeros((slots, n, D)), np.zeros((slots, n))
+  share, arrival, pending = np.zeros((slots, n, n)), np.zeros((slots, n, n)), np.zeros((slots, n, n), bool)
+  waited, late = 0.0, 0
+  for k in range(steps):
+    key, k_batch, k_time = jax.random.split(key, 3)
+    for slot in range(slots):
+      sent = k - 1 - ((k - 1 - slot) % slots)
+      deliver = pending[slot] & ((arrival[slot] <= start[:, None]) | (sent == k - 1 - tau))
+      late += int((deliver & (sent < k - 1)).sum())
+      coef = np.where(deliver, share[slot], 0.0)
+      z, w = z + coef @ sent_z[slot], w + coef @ sent_w[slot]
+      pending[slot] &= ~deliver
+    g = np.asarray(grad({"w": jnp.asarray(z / w[:, None])}, gj.data.sample_batches(data, k_batch, batch_size))["w"])
+    finish = start + np.asarray(ga.compute_time(c, k_time))
+    p, slot = topo.matrix(k), k % slots
+    z_half = z - lr * g
+    pending[slot], arrival[slot], share[slot] = (p != 0) & ~np.eye(n, dtype=bool), finish[None, :] + link, p
+    sent_z[slot], sent_w[slot] = z_half, w
+    z, w = z_half * np.diag(p)[:, None], w * np.diag(p)
+    must = pending[(k - tau) % slots] & (k - tau >= 0)
+    start_next = np.maximum(finish, np.where(must, arrival[(k - tau) % slots], -np.inf).max(axis=1))
+    waited += float((start_next - finish).sum())
+    start = start_next
+  return z, w, start, waited, late
+
+
+@pytest.mark.parametrize("tau", [1, 3])
+def test_sgp_on_the_plans_matches_the_dense_rule(tau):
+  n, steps = 8, 30
+  topo = gj.topology.one_peer_directed_exponential(n)
+  data, loss_fn, _ = least_squares_problem(n)
+  slow = np.ones((n, n))
+  slow[:, 2] = 2.5
+  c = ga.cluster(n, jitter=0.4, latency=0.7)
+  x0 = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))}
+  sim = ga.sgp_bounded_staleness(loss_fn, data, c, topo, 0.05, 4, tau=tau, link_slowdown=slow)
+  state = sim.run(sim.init(x0, jax.random.key(5)), steps)
+  z, w, start, waited, late = sgp_dense_reference(loss_fn, data, c, topo, 0.05, 4, tau, 0.7 * slow, x0,
+                                                  jax.random.key(5), steps)
+  np.testing.assert_allclose(state.z["w"], z, atol=1e-12)
+  np.testing.assert_allclose(state.w, w, atol=1e-12)
+  np.testing.assert_allclose(state.start, start, atol=1e-12)
+  assert float(state.waited) == pytest.approx(waited) and int(state.late) == late > 0
+
+
+def test_sgp_step_is_linear_in_n():
+  # 65,536 nodes: the dense (tau + 1, n, n) tables alone would be 3 x 64 GiB.
+  n = 65536
+  data, loss_fn, _ = least_squares_problem(n, m=1)
+  sim = ga.sgp_bounded_staleness(loss_fn, data, ga.cluster(n, jitter=0.3, latency=0.5),
+                                 gj.topology.one_peer_directed_exponential(n), 0.05, 1, tau=2)
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(sim.run(sim.init(stacked(n), jax.random.key(0)), 5))
+  assert time.perf_counter() - t0 < 30.0
+  in_flight = jnp.where(state.pending, state.share, 0.0) * jax.vmap(lambda w, src: w[src])(state.sent_w, state.source)
+  assert float(state.w.sum() + in_flight.sum()) == pytest.approx(n)  # push-sum conserves the weight
+  assert np.isfinite(ga.sgp_params(state)["w"]).all()

@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 
 from gossipjax.asynchrony._cluster import Cluster, compute_time, transfer_time
+from gossipjax.asynchrony._plans import column_sums, plan_table
 from gossipjax.asynchrony._simulator import LossFn, Simulator
 from gossipjax.data import NodeData, sample_batches
 from gossipjax.topology import as_topology
@@ -25,9 +26,11 @@ class SGPSimState(NamedTuple):
     start: float (n,), simulated time at which each node starts its next step.
     sent_z, sent_w: the last ``tau + 1`` steps' outgoing numerators / weights of every
       sender, shape (tau + 1, n, ...), slot ``s % (tau + 1)`` for step s.
-    share: (tau + 1, n, n), ``P^{(s)}[i, j]``, j's share to i in that step.
-    arrival: (tau + 1, n, n), when j's step-s message reaches i.
-    pending: bool (tau + 1, n, n), messages sent but not yet delivered.
+    source: int32 (tau + 1, rounds, n), the sender of the message that receiver i gets in
+      each exchange round of that step's plan (``topology.plans()``).
+    share: (tau + 1, rounds, n), that message's weight ``P^{(s)}[i, source]``.
+    arrival: (tau + 1, rounds, n), when it reaches i.
+    pending: bool (tau + 1, rounds, n), messages sent but not yet delivered.
     step: steps taken (by every node; nodes differ in time, not in step).
     clock: simulated time at which the last step finished on every node.
     samples: training samples processed; ``waited``: simulated seconds nodes spent
@@ -40,6 +43,7 @@ class SGPSimState(NamedTuple):
   start: jax.Array
   sent_z: Any
   sent_w: jax.Array
+  source: jax.Array
   share: jax.Array
   arrival: jax.Array
   pending: jax.Array
@@ -88,6 +92,9 @@ def sgp_bounded_staleness(
   all nodes one step at a time), so in a run where one node is many steps ahead its
   messages may be used a step later than a real system could.
 
+  The messages in flight are kept per edge of the topology's sparse plans, so a step costs
+  O(tau * degree * n * d), not the O(tau * n^2 * d) of dense (n, n) mixing matrices.
+
   Args:
     loss_fn: ``loss_fn(params_of_one_node, (inputs, targets)) -> scalar``.
     data: the nodes' data.
@@ -98,7 +105,8 @@ def sgp_bounded_staleness(
     batch_size: samples per node per step.
     tau: staleness bound in steps (>= 0).
     model_bytes: message size for the link time.
-    link_slowdown: optional (n, n) factors on the link time of j -> i (slow links).
+    link_slowdown: optional factors on the link time: (n, n), ``[i, j]`` for j -> i (only
+      the entries on the graph's edges are read), or (n,), one per sender.
 
   Returns:
     A `Simulator`; ``run(state, num_steps)`` advances every node ``num_steps`` steps.
@@ -107,22 +115,28 @@ def sgp_bounded_staleness(
     raise ValueError(f"sgp_bounded_staleness: tau must be an integer >= 0, got {tau!r}")
   n, slots = cluster.num_nodes, tau + 1
   topo = as_topology(topology)
-  mats = np.stack([topo.matrix(k) for k in range(topo.period)])
-  if not np.allclose(mats.sum(axis=1), 1.0):
+  table = plan_table(topo)
+  if not np.allclose(column_sums(table), 1.0):
     raise ValueError(f"sgp_bounded_staleness: {topo.name} is not column stochastic")
-  link = transfer_time(cluster, model_bytes) * jnp.ones((n, n))
+  period, num_rounds, _ = table.src.shape
+  # Slow-link factors at the plan's edges only: [k, r, i] for the message src[k, r, i] -> i.
+  slow = np.ones(table.src.shape)
   if link_slowdown is not None:
-    link = link * jnp.asarray(link_slowdown)
+    factors = np.asarray(link_slowdown, np.float64)
+    receiver = np.broadcast_to(np.arange(n), table.src.shape)
+    slow = factors[table.src] if factors.ndim == 1 else factors[receiver, table.src]
+  link = transfer_time(cluster, model_bytes) * jnp.asarray(slow)
+  src_table, weight_table, self_table = (jnp.asarray(a) for a in (table.src, table.weight, table.self_weight))
   grad_fn = jax.vmap(jax.grad(loss_fn))
-  eye = jnp.eye(n, dtype=bool)
 
   def init(params, key):
     dtype = jnp.result_type(*jax.tree.leaves(params))
     buf = lambda x: jnp.zeros((slots,) + x.shape, x.dtype)
-    zeros_nn = jnp.zeros((slots, n, n), dtype)
+    edges = (slots, num_rounds, n)
     zero = jnp.zeros([], jnp.int32)
     return SGPSimState(params, jnp.ones(n, dtype), jnp.zeros(n, dtype), jax.tree.map(buf, params),
-                       jnp.zeros((slots, n), dtype), zeros_nn, zeros_nn, jnp.zeros((slots, n, n), bool), zero,
+                       jnp.zeros((slots, n), dtype), jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), edges),
+                       jnp.zeros(edges, dtype), jnp.zeros(edges, dtype), jnp.zeros(edges, bool), zero,
                        jnp.zeros([], dtype), zero, jnp.zeros([], dtype), zero, key)
 
   def step_(s: SGPSimState, _):
@@ -130,11 +144,9 @@ def sgp_bounded_staleness(
     k = s.step
     sent_step = k - 1 - ((k - 1 - jnp.arange(slots)) % slots)  # the step each slot holds
     forced = (sent_step == k - 1 - tau)[:, None, None]
-    deliver = s.pending & ((s.arrival <= s.start[None, :, None]) | forced)
+    deliver = s.pending & ((s.arrival <= s.start[None, None, :]) | forced)
     late = deliver & (sent_step < k - 1)[:, None, None]
-    coef = jnp.where(deliver, s.share, 0.0)
-    z = jax.tree.map(lambda zi, sz: zi + jnp.einsum("sij,sj...->i...", coef.astype(zi.dtype), sz), s.z, s.sent_z)
-    w = s.w + jnp.einsum("sij,sj->i", coef, s.sent_w)
+    z, w = _receive(s.z, s.w, jnp.where(deliver, s.share, 0.0), s.source, s.sent_z, s.sent_w)
 
     per_node = lambda v, x: v.astype(x.dtype).reshape((n,) + (1,) * (x.ndim - 1))
     x = jax.tree.map(lambda zi: zi / per_node(w, zi), z)
@@ -142,12 +154,13 @@ def sgp_bounded_staleness(
     z_half = jax.tree.map(lambda zi, g: zi - learning_rate * g.astype(zi.dtype), z, grads)
     finish = s.start + compute_time(cluster, k_time)
 
-    p = jnp.asarray(mats)[k % mats.shape[0]].astype(w.dtype)
-    slot = k % slots
-    keep = jnp.diagonal(p)
-    pending = (s.pending & ~deliver).at[slot].set((p != 0) & ~eye)
-    arrival = s.arrival.at[slot].set(finish[None, :] + link)
-    share = s.share.at[slot].set(p)
+    p, slot = k % period, k % slots
+    src, weight, keep = src_table[p], weight_table[p].astype(w.dtype), self_table[p].astype(w.dtype)
+    sent = (weight != 0) & (src != jnp.arange(n)[None, :])
+    pending = (s.pending & ~deliver).at[slot].set(sent)
+    arrival = s.arrival.at[slot].set(finish[src] + link[p])
+    share = s.share.at[slot].set(weight)
+    source = s.source.at[slot].set(src)
     sent_z = jax.tree.map(lambda b, zh: b.at[slot].set(zh), s.sent_z, z_half)
     sent_w = s.sent_w.at[slot].set(w)
     z = jax.tree.map(lambda zh: zh * per_node(keep, zh), z_half)
@@ -155,9 +168,9 @@ def sgp_bounded_staleness(
 
     # Step k+1 waits for the messages of step k - tau (slot (k - tau) % slots).
     must = pending[(k - tau) % slots] & (k - tau >= 0)
-    need = jnp.max(jnp.where(must, arrival[(k - tau) % slots], -jnp.inf), axis=1)
+    need = jnp.max(jnp.where(must, arrival[(k - tau) % slots], -jnp.inf), axis=0)
     start = jnp.maximum(finish, need)
-    return SGPSimState(z, w, start, sent_z, sent_w, share, arrival, pending, k + 1, jnp.max(finish),
+    return SGPSimState(z, w, start, sent_z, sent_w, source, share, arrival, pending, k + 1, jnp.max(finish),
                        s.samples + n * batch_size, s.waited + jnp.sum(start - finish),
                        s.late + late.sum().astype(jnp.int32), key), None
 
@@ -166,6 +179,18 @@ def sgp_bounded_staleness(
     return lax.scan(step_, state, None, length=num_steps)[0]
 
   return Simulator(init, run)
+
+
+def _receive(z: Any, w: jax.Array, coef: jax.Array, source: jax.Array, sent_z: Any, sent_w: jax.Array):
+  """Folds in the messages with weight ``coef`` (slots, rounds, n): receiver i adds
+  ``coef[s, r, i] * sent[s, source[s, r, i]]``. O(slots * rounds * n * d)."""
+  gather = jax.vmap(lambda sent, src: jnp.take(sent, src, axis=0))  # over slots: (slots, rounds, n, ...)
+
+  def fold(zi, sz):
+    c = coef.astype(zi.dtype).reshape(coef.shape + (1,) * (zi.ndim - 1))
+    return zi + jnp.sum(c * gather(sz, source), axis=(0, 1))
+
+  return jax.tree.map(fold, z, sent_z), w + jnp.sum(coef * gather(sent_w, source), axis=(0, 1))
 
 
 def sgp_params(state: SGPSimState, in_flight: bool = True) -> Any:
@@ -180,7 +205,5 @@ def sgp_params(state: SGPSimState, in_flight: bool = True) -> Any:
   n = state.w.shape[0]
   z, w = state.z, state.w
   if in_flight:
-    coef = jnp.where(state.pending, state.share, 0.0)
-    z = jax.tree.map(lambda zi, sz: zi + jnp.einsum("sij,sj...->i...", coef.astype(zi.dtype), sz), z, state.sent_z)
-    w = w + jnp.einsum("sij,sj->i", coef, state.sent_w)
+    z, w = _receive(z, w, jnp.where(state.pending, state.share, 0.0), state.source, state.sent_z, state.sent_w)
   return jax.tree.map(lambda zi: zi / w.astype(zi.dtype).reshape((n,) + (1,) * (zi.ndim - 1)), z)
