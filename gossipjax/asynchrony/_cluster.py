@@ -3,8 +3,8 @@
 A node's gradient takes ``mean_time[i] * jitter`` simulated seconds, where ``jitter`` is
 log-normal with unit mean (``sigma = 0`` gives fixed speeds). A message of ``b`` bytes over
 a link takes ``latency + b / bandwidth``. A ring all-reduce of ``b`` bytes over ``n`` nodes
-takes ``2 (n - 1) (latency + b / (n * bandwidth))`` (Patarasuk and Yuan 2009; seed 000's
-``2N/B + O(n)``).
+takes ``2 (n - 1) (latency + b / (n * bandwidth))`` (Patarasuk and Yuan 2009; the
+``2N/B + O(n)`` of Zhang, Lian, Zhang and Liu, "Decentralized Distributed Deep Learning").
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def cluster(
 
 
 def straggler_cluster(num_nodes: int, slowdown: float, node: int = 0, **kwargs) -> Cluster:
-  """``cluster`` with one node ``slowdown`` times slower than the others (seed 000, Table 2)."""
+  """``cluster`` with one node ``slowdown`` times slower than the others (Zhang et al., Table 2)."""
   factors = np.ones(num_nodes)
   factors[node] = slowdown
   return cluster(num_nodes, slowdown=factors, **kwargs)
