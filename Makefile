@@ -5,14 +5,14 @@ BIN := $(CURDIR)/$(VENV)/bin
 # mpicc and mpiexec of the mpich wheel live in the venv's bin.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: demo test install install-mpi clean
+.PHONY: demo test docs install install-mpi clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,docs]'
 	touch $@
 
 # mpi4jax builds from source against the mpich wheel. On machines with nvcc but no CUDA
@@ -32,5 +32,10 @@ demo: install
 test: install-mpi
 	$(BIN)/python -m pytest -q
 
+# The documentation site (docs/_build/html/index.html): every guide and notebook is executed,
+# and a warning fails the build (tests/test_docs.py runs the same build).
+docs: install
+	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs docs/_build docs/api
