@@ -4,19 +4,9 @@ Every algorithm is an ``optax.GradientTransformation`` over params whose leaves 
 leading node axis; a topology (the mixing matrix W) says who averages with whom.
 """
 
-from gossipjax import asynchrony, backend, checkpoint, compress, data, topology
-from gossipjax._src.allreduce import all_reduce, allreduce_sgd
-from gossipjax._src.choco import ChocoState, choco_sgd
-from gossipjax._src.decentlam import DecentLaMState, decentlam
-from gossipjax._src.easgd import EASGDState, easgd
-from gossipjax._src.exact_diffusion import ExactDiffusionState, exact_diffusion
-from gossipjax._src.extra import ExtraState, extra
-from gossipjax._src.fault import abort_on_error
-from gossipjax._src.gossip_sgd import gossip_sgd
-from gossipjax._src.gradient_tracking import GradientTrackingState, gradient_tracking
-from gossipjax._src.guard import GuardFiniteState, check_guard, guard_finite, nonfinite_counts
-from gossipjax._src.mix import MixState, mix
-from gossipjax._src.nodes import (
+from gossipjax import algorithms, asynchrony, backend, checkpoint, compress, data, mixing, topology
+from gossipjax._guard import GuardFiniteState, SkipNodes, check_guard, guard_finite, nonfinite_counts, zero_skipped
+from gossipjax._nodes import (
     check_finite,
     consensus_distance,
     evaluate_mean,
@@ -26,10 +16,29 @@ from gossipjax._src.nodes import (
     nonfinite_nodes,
     per_node,
 )
-from gossipjax._src.periodic_average import PeriodicAverageState, periodic_average
-from gossipjax._src.qg_dmsgd import QGMomentumState, qg_dmsgd
-from gossipjax._src.sgp import SGPState, sgp
-from gossipjax.topology import random_pairs
+from gossipjax.algorithms import (
+    ChocoState,
+    DecentLaMState,
+    EASGDState,
+    ExactDiffusionState,
+    ExtraState,
+    GradientTrackingState,
+    PeriodicAverageState,
+    QGMomentumState,
+    SGPState,
+    allreduce_sgd,
+    choco_sgd,
+    decentlam,
+    easgd,
+    exact_diffusion,
+    extra,
+    gossip_sgd,
+    gradient_tracking,
+    periodic_average,
+    qg_dmsgd,
+    sgp,
+)
+from gossipjax.mixing import MixState, mix
 
 __version__ = "0.1.0"
 
@@ -45,8 +54,8 @@ __all__ = (
     "PeriodicAverageState",
     "QGMomentumState",
     "SGPState",
-    "abort_on_error",
-    "all_reduce",
+    "SkipNodes",
+    "algorithms",
     "allreduce_sgd",
     "asynchrony",
     "backend",
@@ -68,13 +77,14 @@ __all__ = (
     "guard_finite",
     "init_nodes",
     "mix",
+    "mixing",
     "node_mean",
     "nonfinite_counts",
     "nonfinite_nodes",
     "per_node",
     "periodic_average",
     "qg_dmsgd",
-    "random_pairs",
     "sgp",
     "topology",
+    "zero_skipped",
 )

@@ -164,7 +164,7 @@ def _make_backend(args: argparse.Namespace):
   if args.backend == "simulate":
     return gj.backend.simulate()
   if args.backend == "mpi":
-    return gj.backend.mpi()
+    return gj.backend.mpi(abort_on_error=True)  # a failing rank ends the job instead of hanging it
   devices = jax.devices()
   k = args.devices or len(devices)
   if k > len(devices):

@@ -61,7 +61,7 @@ METHODS = [
     _method("qg_dmsgd", gj.qg_dmsgd, dict(topology=W, beta=0.9, learning_rate=0.1), bf16_drift=2e-2),
     Method("gossip_sgd+periodic_average",
            lambda: optax.chain(gj.gossip_sgd(W, learning_rate=0.1), gj.periodic_average(2)), None, {}, True),
-    _method("easgd", gj.easgd, dict(learning_rate=0.1, alpha=0.1, beta=0.5, every=2), preserves_average=False),
+    _method("easgd", gj.easgd, dict(learning_rate=0.1, alpha=0.1, center_rate=0.5, every=2), preserves_average=False),
 ]
 IDS = [m.name for m in METHODS]
 
@@ -324,20 +324,20 @@ def test_inject_hyperparams_takes_every_and_follows_a_change_without_recompiling
   updates, state = step(params, state)  # count 3, every 2: a gossip step
   np.testing.assert_allclose(updates["w"], want["w"], rtol=0, atol=1e-12)
   assert step._cache_size() == compiled
-  easgd = optax.inject_hyperparams(gj.easgd)(0.1, every=2)
+  easgd = optax.inject_hyperparams(gj.easgd)(learning_rate=0.1, every=2)
   run(easgd, params, grads, 2)
   with pytest.raises(TypeError, match=r"static_args=\('every',\)"):
     optax.inject_hyperparams(gj.mix)(W, every=2.0).init(params)
 
 
 SHARDED_CASES = {  # one of each kind of state: mixed tuples, push weights, PRNG keys, all-reduce means
-    "gradient_tracking": lambda be: gj.gradient_tracking(T.random_pairs(16, seed=0, period=4), 0.05, backend=be),
-    "extra": lambda be: gj.extra(T.ring(16), 0.05, backend=be),
-    "sgp": lambda be: gj.sgp(T.one_peer_directed_exponential(16), 0.05, beta=0.5, backend=be),
-    "choco_sgd": lambda be: gj.choco_sgd(T.ring(16), 0.05, gj.compress.qsgd(4), 0.5, backend=be),
+    "gradient_tracking": lambda be: gj.gradient_tracking(T.random_pairs(16, seed=0, period=4), learning_rate=0.05, backend=be),
+    "extra": lambda be: gj.extra(T.ring(16), learning_rate=0.05, backend=be),
+    "sgp": lambda be: gj.sgp(T.one_peer_directed_exponential(16), beta=0.5, learning_rate=0.05, backend=be),
+    "choco_sgd": lambda be: gj.choco_sgd(T.ring(16), gj.compress.qsgd(4), learning_rate=0.05, consensus_step=0.5, backend=be),
     "periodic_average": lambda be: optax.chain(gj.gossip_sgd(T.ring(16), learning_rate=0.05, backend=be),
                                                gj.periodic_average(3, backend=be)),
-    "easgd": lambda be: gj.easgd(0.05, alpha=0.1, beta=0.5, every=2, backend=be),
+    "easgd": lambda be: gj.easgd(learning_rate=0.05, alpha=0.1, center_rate=0.5, every=2, backend=be),
 }
 
 

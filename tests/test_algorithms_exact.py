@@ -147,7 +147,7 @@ def test_qg_dmsgd_is_lin_et_al_algorithm_1():
 @pytest.mark.parametrize("every", [1, 3])
 def test_easgd_is_zhang_choromanska_lecun(every):
   lr, alpha, beta = 0.05, 0.1, 0.7
-  got = trajectory(gj.easgd(learning_rate=lr, alpha=alpha, beta=beta, every=every), X0, STEPS)
+  got = trajectory(gj.easgd(learning_rate=lr, alpha=alpha, center_rate=beta, every=every), X0, STEPS)
   x, center = X0.copy(), X0.mean(0)
   for k in range(STEPS):
     g = grad_np(x)
@@ -160,7 +160,7 @@ def test_easgd_is_zhang_choromanska_lecun(every):
 
 def test_easgd_symmetric_choice_conserves_workers_plus_center():
   alpha = 0.05
-  tx = gj.easgd(learning_rate=0.0, alpha=alpha, beta=N * alpha)
+  tx = gj.easgd(learning_rate=0.0, alpha=alpha, center_rate=N * alpha)
   x = jnp.asarray(X0)
   state = tx.init(x)
   total = X0.sum(0) + X0.mean(0)
@@ -257,9 +257,9 @@ def test_errors_name_the_bad_hyperparameter():
   with pytest.raises(ValueError, match=r"every must be a positive integer"):
     gj.periodic_average(0)
   with pytest.raises(ValueError, match="alpha"):
-    gj.easgd(0.1, alpha=1.5)
+    gj.easgd(learning_rate=0.1, alpha=1.5)
   with pytest.raises(ValueError, match="beta"):
-    gj.qg_dmsgd(T.ring(N), beta=1.0)
+    gj.qg_dmsgd(T.ring(N), beta=1.0, learning_rate=0.1)
   with pytest.raises(ValueError, match="needs the current params"):
-    tx = gj.extra(T.ring(N))
+    tx = gj.extra(T.ring(N), learning_rate=0.1)
     tx.update(jnp.zeros((N, D)), tx.init(jnp.zeros((N, D))))

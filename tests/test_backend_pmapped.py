@@ -54,7 +54,7 @@ def test_pmapped_equals_simulate(name, topo):
 
 def test_pmapped_compiles_to_ppermutes_only():
   topo = T.exponential(32)  # 4 nodes per device; node i reads i - 1, i - 2, i - 4, i - 8, i - 16
-  tx = gj.gossip_sgd(topo, beta=0.9, backend=gj.backend.pmapped("nodes"))
+  tx = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1, backend=gj.backend.pmapped("nodes"))
   x = blocks(np.ones((32, 3)))
   f = jax.pmap(lambda x, s: tx.update(x, s, x), axis_name="nodes")
   hlo = f.lower(x, jax.pmap(tx.init)(x)).compile().as_text()
@@ -69,7 +69,7 @@ def test_pmapped_local_nodes_and_errors():
   be = gj.backend.pmapped("nodes")
   assert be.local_nodes(16) == 2 and be.mixer(T.ring(16)).local_nodes == 2
   with pytest.raises(ValueError, match=r"ring\(12\) has 12 nodes.*multiple of 8"):
-    gj.gossip_sgd(T.ring(12), backend=be)
+    gj.gossip_sgd(T.ring(12), learning_rate=0.1, backend=be)
   tx = gj.mix(T.ring(16), backend=gj.backend.pmapped("nodes", axis_size=4))
   x = np.ones((K, 4, 2))  # the pmap runs over 8 devices, the backend was told 4
   with pytest.raises(ValueError, match=r"has 8 devices but the backend was built for 4"):

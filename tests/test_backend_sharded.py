@@ -64,7 +64,7 @@ def _collectives(hlo: str) -> dict[str, int]:
 )
 def test_only_neighbour_exchange_in_compiled_program(backend, topo, permutes):
   """The optimizer step compiles to collective-permutes only: no all-gather, no all-reduce."""
-  tx = gj.gossip_sgd(topo, beta=0.9, backend=backend)
+  tx = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1, backend=backend)
   x = backend.shard(np.ones((topo.num_nodes, 4)))
   hlo = jax.jit(lambda x, s: tx.update(x, s, x)).lower(x, tx.init(x)).compile().as_text()
   ops = _collectives(hlo)
@@ -125,7 +125,7 @@ def test_inject_hyperparams_treats_the_backend_as_data(backend):
 
 def test_nodes_not_divisible_by_devices(backend):
   with pytest.raises(ValueError, match=r"ring\(12\) has 12 nodes.*multiple of 8"):
-    gj.gossip_sgd(T.ring(12), backend=backend)
+    gj.gossip_sgd(T.ring(12), learning_rate=0.1, backend=backend)
 
 
 def test_mesh_without_the_axis():
@@ -137,7 +137,7 @@ def test_mesh_without_the_axis():
 
 
 def test_wrong_global_node_axis_names_both_sizes(backend):
-  tx = gj.gossip_sgd(T.ring(16), backend=backend)
+  tx = gj.gossip_sgd(T.ring(16), learning_rate=0.1, backend=backend)
   x = backend.shard(jnp.ones((8, 2)))
   with pytest.raises(ValueError, match="expects 16 nodes"):
     tx.update(x, tx.init(x), x)

@@ -103,9 +103,9 @@ def test_compressors_are_static_data_and_validate():
   with pytest.raises(ValueError, match="levels must be a positive integer"):
     C.qsgd(0)
   with pytest.raises(TypeError, match="compressor must be a gj.compress"):
-    gj.choco_sgd(T.ring(N), 0.1, "top_k", 0.5)
+    gj.choco_sgd(T.ring(N), "top_k", learning_rate=0.1, consensus_step=0.5)
   with pytest.raises(ValueError, match="consensus_step"):
-    gj.choco_sgd(T.ring(N), 0.1, C.sign(), 0.0)
+    gj.choco_sgd(T.ring(N), C.sign(), learning_rate=0.1, consensus_step=0.0)
 
 
 # ---------------------------------------------------------------- CHOCO-SGD
@@ -144,7 +144,7 @@ def test_choco_is_koloskova_algorithm_2():
   topo, lr, eta, fraction, steps = T.exponential(N), 0.05, 0.4, 0.34, 15
   grad_np, grad = least_squares()
   x0 = np.random.default_rng(1).normal(size=(N, 6))
-  xs, _ = run(gj.choco_sgd(topo, lr, C.top_k(fraction), eta), jnp.asarray(x0), grad, steps)
+  xs, _ = run(gj.choco_sgd(topo, C.top_k(fraction), learning_rate=lr, consensus_step=eta), jnp.asarray(x0), grad, steps)
   x, x_hat, w = x0.copy(), np.zeros_like(x0), topo.matrix()
   for k in range(steps):
     half = x - lr * grad_np(x)
@@ -157,7 +157,7 @@ def test_choco_is_koloskova_algorithm_2():
 def test_choco_without_compression_and_full_step_is_dpsgd(topo):
   _, grad = least_squares()
   x0 = jnp.asarray(np.random.default_rng(2).normal(size=(N, 6)))
-  choco, _ = run(gj.choco_sgd(topo, 0.05, C.identity(), 1.0), x0, grad, 10)
+  choco, _ = run(gj.choco_sgd(topo, C.identity(), learning_rate=0.05, consensus_step=1.0), x0, grad, 10)
   dpsgd, _ = run(gj.gossip_sgd(topo, learning_rate=0.05), x0, grad, 10)
   np.testing.assert_allclose(choco, dpsgd, rtol=0, atol=1e-12)
 
@@ -166,7 +166,7 @@ def test_choco_without_compression_and_full_step_is_dpsgd(topo):
 def test_choco_gossip_reaches_consensus_keeps_the_average_and_counts_bits(compressor):
   x0 = {"w": jax.random.normal(jax.random.key(0), (N, 6, 5)), "b": 3 * jax.random.normal(jax.random.key(1), (N, 5))}
   zeros = lambda x: jax.tree.map(jnp.zeros_like, x)
-  xs, state = run(gj.choco_sgd(T.ring(N), 0.0, compressor, 0.1, seed=3), x0, zeros, 450)
+  xs, state = run(gj.choco_sgd(T.ring(N), compressor, learning_rate=0.0, consensus_step=0.1, seed=3), x0, zeros, 450)
   last = jax.tree.map(lambda x: x[-1], xs)
   assert float(gj.consensus_distance(last)) < 1e-6 * float(gj.consensus_distance(x0))
   for got, start in zip(jax.tree.leaves(last), jax.tree.leaves(x0)):
@@ -189,7 +189,7 @@ def test_choco_limit_is_dpsgd_with_damped_mixing():
   topo, lr, eta = T.ring(N), 0.05, 0.3
   _, grad = least_squares()
   x0 = jnp.zeros((N, 6))
-  choco, _ = run(gj.choco_sgd(topo, lr, C.top_k(0.34), eta), x0, grad, 3000)
+  choco, _ = run(gj.choco_sgd(topo, C.top_k(0.34), learning_rate=lr, consensus_step=eta), x0, grad, 3000)
   damped = T.from_matrix(np.eye(N) + eta * (topo.matrix() - np.eye(N)))
   dpsgd, _ = run(gj.gossip_sgd(damped, learning_rate=lr), x0, grad, 3000)
   np.testing.assert_allclose(choco[-1], dpsgd[-1], rtol=0, atol=1e-9)

@@ -160,7 +160,7 @@ def test_mix_preserves_average_and_contracts_disagreement():
     lambda t: gj.gossip_sgd(t, learning_rate=optax.linear_schedule(0.1, 0.0, 10)),
     lambda t: gj.decentlam(T.ring(8), beta=0.9, learning_rate=0.1),
     lambda t: optax.chain(optax.adam(1e-3), gj.mix(t)),
-    lambda t: gj.allreduce_sgd(0.1, beta=0.9),
+    lambda t: gj.allreduce_sgd(beta=0.9, learning_rate=0.1),
 ], ids=["dmsgd", "dpsgd-schedule", "decentlam", "adam+mix", "allreduce"])
 def test_jit_keeps_dtype_and_state_structure(make, dtype):
   topo = T.one_peer_exponential(8)

@@ -210,3 +210,34 @@ def test_an_overflowing_update_skips_its_node_and_the_neighbours_that_mixed_it()
   assert np.isfinite(u).all()
   np.testing.assert_array_equal(np.asarray(u)[np.asarray(skipped, bool)], 0)
   np.testing.assert_allclose(np.asarray(u)[[0, 1, 5, 6, 7]], -1.0, rtol=1e-6)
+
+
+def _custom_atc(topology, learning_rate, cooperate):
+  """A user's own adapt-then-combine method, x+ = W(x - lr g), built on the public mixing contract."""
+  mixer = gj.mixing.make_mixer(topology)
+
+  def update(grads, state, params, skip_nodes=None, **extra_args):
+    if cooperate:
+      grads = gj.zero_skipped(grads, skip_nodes)
+    mixed = mixer.mix(jax.tree.map(lambda x, g: x - learning_rate * g, params, grads), 0)
+    return jax.tree.map(lambda m, x: m - x, mixed, params), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("cooperate", [True, False])
+def test_a_custom_method_cooperates_with_the_guard_through_zero_skipped(cooperate):
+  topo = gj.topology.ring(6)
+  tx = gj.guard_finite(_custom_atc(topo, 0.1, cooperate))
+  x = jnp.arange(12.0).reshape(6, 2)
+  g = jnp.ones_like(x).at[2].set(jnp.nan)
+  u, state = tx.update(g, tx.init(x), x)
+  new = np.asarray(x + u)
+  assert gj.nonfinite_counts(state).tolist() == [0, 0, 1, 0, 0, 0]
+  if cooperate:  # node 2 took no local step and sent its current params, as under gj.mix
+    want = topo.matrix(0) @ (np.asarray(x) - 0.1 * np.where(np.isnan(g), 0.0, g))
+    np.testing.assert_allclose(new, want, rtol=1e-12)
+  else:  # the guard zeroed node 2's gradient, then froze node 2 for the step
+    want = topo.matrix(0) @ (np.asarray(x) - 0.1 * np.where(np.isnan(g), 0.0, g))
+    np.testing.assert_allclose(new[[0, 1, 3, 4, 5]], want[[0, 1, 3, 4, 5]], rtol=1e-12)
+    np.testing.assert_array_equal(new[2], np.asarray(x)[2])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gossipjax as gj
-from gossipjax._src.fault import _topology_digest, check_same_topology
+from gossipjax.backend._mpi_fault import _topology_digest, check_same_topology
 
 HERE = Path(__file__).parent
 HANG_LIMIT = 90  # seconds; a healthy abort takes a few
@@ -51,7 +51,7 @@ def test_a_failing_rank_ends_the_job(mode):
 
 def test_abort_on_error_is_a_no_op_in_a_single_process():
   hook = sys.excepthook
-  gj.abort_on_error()
+  gj.backend.mpi_abort_on_error()
   assert sys.excepthook is hook
 
 

@@ -74,7 +74,8 @@ def test_node_axis_mismatch_is_named():
   with pytest.raises(ValueError, match=r"\['w'\] has a leading node axis of 6, but ring\(8\) expects 8"):
     tx.update(x, tx.init(x), x)
   with pytest.raises(ValueError, match=r"has no node axis \(a scalar\)"):
-    gj.decentlam(RING, learning_rate=0.1).update(jnp.ones(()), gj.decentlam(RING).init(jnp.ones(())), jnp.ones(()))
+    tx = gj.decentlam(RING, learning_rate=0.1)
+    tx.update(jnp.ones(()), tx.init(jnp.ones(())), jnp.ones(()))
 
 
 def test_empty_node_in_a_partition_is_refused():
@@ -89,3 +90,56 @@ def test_compressor_fractions_outside_unit_interval_raise():
     for make in (gj.compress.top_k, gj.compress.random_k):
       with pytest.raises(ValueError, match=r"fraction must be a number in \(0, 1\]"):
         make(bad)
+
+
+ALL_ALGORITHMS = {
+    "gossip_sgd": lambda **kw: gj.gossip_sgd(RING, **kw),
+    "sgp": lambda **kw: gj.sgp(RING, **kw),
+    "allreduce_sgd": lambda **kw: gj.allreduce_sgd(**kw),
+    "decentlam": lambda **kw: gj.decentlam(RING, **kw),
+    "qg_dmsgd": lambda **kw: gj.qg_dmsgd(RING, **kw),
+    "gradient_tracking": lambda **kw: gj.gradient_tracking(RING, **kw),
+    "exact_diffusion": lambda **kw: gj.exact_diffusion(RING, **kw),
+    "extra": lambda **kw: gj.extra(RING, **kw),
+    "choco_sgd": lambda **kw: gj.choco_sgd(RING, gj.compress.top_k(0.5), consensus_step=0.5, **kw),
+    "easgd": lambda **kw: gj.easgd(**kw),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_ALGORITHMS))
+def test_learning_rate_is_required(name):
+  with pytest.raises(TypeError, match="learning_rate"):
+    ALL_ALGORITHMS[name]()
+
+
+@pytest.mark.parametrize("fn", [gj.gossip_sgd, gj.sgp, gj.decentlam, gj.qg_dmsgd])
+def test_a_second_positional_number_is_beta_and_learning_rate_is_keyword_only(fn):
+  # gj.gossip_sgd(W, 0.01) must not read as a learning rate (nor silently train at a default one).
+  with pytest.raises(TypeError, match="learning_rate"):
+    fn(RING, 0.01)
+  with pytest.raises(TypeError):
+    fn(RING, 0.9, 0.01)
+
+
+def test_momentum_methods_share_their_signature_and_default():
+  import inspect
+  for fn in (gj.gossip_sgd, gj.sgp, gj.decentlam, gj.qg_dmsgd, gj.allreduce_sgd):
+    params = inspect.signature(fn).parameters
+    assert params["beta"].default == 0.0, fn.__name__
+    assert params["beta"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, fn.__name__
+    assert params["learning_rate"].kind is inspect.Parameter.KEYWORD_ONLY, fn.__name__
+    assert params["learning_rate"].default is inspect.Parameter.empty, fn.__name__
+  assert "beta" not in inspect.signature(gj.easgd).parameters  # the center's rate is center_rate
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: gj.gossip_sgd(RING, beta=1.5, learning_rate=0.1), r"^gj\.gossip_sgd: beta"),
+    (lambda: gj.easgd(learning_rate=0.1, center_rate=2.0), r"^gj\.easgd: center_rate must be in"),
+    (lambda: gj.mix(RING, every=0), r"^gj\.mix: every must be a positive integer"),
+    (lambda: gj.choco_sgd(RING, gj.compress.sign(), learning_rate=0.1, consensus_step=0.0),
+     r"^gj\.choco_sgd: consensus_step must be in \(0.0, 1.0\]"),
+    (lambda: gj.extra(T.random_pairs(8, seed=0), learning_rate=0.1), r"^gj\.extra: needs a static W"),
+])
+def test_errors_start_with_the_public_name(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()

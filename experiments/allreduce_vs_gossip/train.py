@@ -78,7 +78,7 @@ def make_simulator(config, method: str, problem):
   if method == "ad-psgd":
     return ga.adpsgd(loss_fn, data, cluster, config.learning_rate, config.batch_size, topology=topo)
   if method == "allreduce":
-    tx = gj.allreduce_sgd(config.learning_rate)
+    tx = gj.allreduce_sgd(learning_rate=config.learning_rate)
   elif method == "d-psgd":
     tx = gj.gossip_sgd(topo, beta=0.0, learning_rate=config.learning_rate)
   else:

@@ -130,7 +130,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   _print(runs[-1])
   for spec in config.compressors:
     for eta in config.consensus_steps:
-      tx = gj.choco_sgd(topo, config.learning_rate, make_compressor(spec), eta, seed=config.seed)
+      tx = gj.choco_sgd(topo, make_compressor(spec), learning_rate=config.learning_rate, consensus_step=eta,
+                        seed=config.seed)
       r = run_method(config, ds, data, model, tx, lambda s: jnp.sum(s.message_bits * degree))
       runs.append(dict(method="choco", compressor=spec, consensus_step=eta, **r))
       _print(runs[-1])

@@ -3,9 +3,9 @@ Algorithms for Large-Scale Deep Neural Network Training" (lecture, Zhejiang Univ
 
 ``n`` nodes train a ResNet-20 (`models.ResNet20`) with momentum SGD three ways:
 
-- PmSGD: ``gj.allreduce_sgd(lr, beta)`` (parallel momentum SGD: gradients all-reduced);
-- DmSGD: ``gj.gossip_sgd(W, beta, lr)`` (decentralized momentum SGD);
-- DecentLaM: ``gj.decentlam(W, beta, lr)`` (momentum fed the gossip-corrected gradient);
+- PmSGD: ``gj.allreduce_sgd(beta, learning_rate=lr)`` (parallel momentum SGD: gradients all-reduced);
+- DmSGD: ``gj.gossip_sgd(W, beta, learning_rate=lr)`` (decentralized momentum SGD);
+- DecentLaM: ``gj.decentlam(W, beta, learning_rate=lr)`` (momentum fed the gossip-corrected gradient);
 
 on a symmetric ring W (DecentLaM refuses a directed one). Every batch size gets the same
 budget of epochs, so a larger total batch means fewer, larger steps; the learning rate
@@ -47,7 +47,7 @@ def load_data(config) -> gj.data.Dataset:
 
 def make_optimizer(config, method: str, learning_rate: optax.Schedule) -> optax.GradientTransformation:
   if method == "pmsgd":
-    return gj.allreduce_sgd(learning_rate, config.beta)
+    return gj.allreduce_sgd(config.beta, learning_rate=learning_rate)
   topo = getattr(gj.topology, config.topology)(config.num_nodes)
   if method == "dmsgd":
     return gj.gossip_sgd(topo, beta=config.beta, learning_rate=learning_rate)

@@ -98,7 +98,7 @@ def run_synchronous(config, method, slowdown, problem, key) -> dict[str, Any]:
   c = _cluster(config, slowdown, params)
   nbytes = _model_bytes(params)
   if method == "allreduce":
-    tx = gj.allreduce_sgd(config.learning_rate)
+    tx = gj.allreduce_sgd(learning_rate=config.learning_rate)
     comm = float(ga.allreduce_time(c, nbytes))
   else:
     topo = getattr(gj.topology, config.dpsgd_topology)(config.num_nodes)

@@ -40,7 +40,7 @@ def _first_step(history: list[dict[str, float]], key: str, target: float) -> int
 def train_run(config, name: str, n: int, partition: str, seed: int, dataset) -> dict[str, Any]:
   """D-PSGD over topology ``name`` (or the AllReduce baseline) on n simulated nodes."""
   if name == ALLREDUCE:
-    tx, algorithm = gj.allreduce_sgd(config.learning_rate), "allreduce"
+    tx, algorithm = gj.allreduce_sgd(learning_rate=config.learning_rate), "allreduce"
   else:
     tx, algorithm = gj.gossip_sgd(spectra.TOPOLOGIES[name](n, config.seed), learning_rate=config.learning_rate), "dpsgd"
   cfg = gj.train.RunConfig(algorithm=algorithm, topology=name, num_nodes=n, steps=config.train_steps,

@@ -4,10 +4,11 @@ from gossipjax.backend import _cpu_threads
 from gossipjax.backend._base import Backend, Mixer
 from gossipjax.backend._mpi import LAUNCH_ENV as mpi_launch_env
 from gossipjax.backend._mpi import Mpi, mpi
+from gossipjax.backend._mpi_fault import abort_on_error as mpi_abort_on_error
 from gossipjax.backend._mpi import launch_prefix as mpi_launch_prefix
 from gossipjax.backend._pmapped import Pmapped, pmapped
 from gossipjax.backend._sharded import Sharded, sharded
-from gossipjax.backend._simulate import Simulate, apply_plan, simulate
+from gossipjax.backend._simulate import Simulate, simulate
 
 # Before JAX starts its CPU client: multi-device steps queued without waiting need 2 threads per
 # CPU device there, or they deadlock it (see _cpu_threads).
@@ -20,8 +21,8 @@ __all__ = (
     "Pmapped",
     "Sharded",
     "Simulate",
-    "apply_plan",
     "mpi",
+    "mpi_abort_on_error",
     "mpi_launch_env",
     "mpi_launch_prefix",
     "pmapped",

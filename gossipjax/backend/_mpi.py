@@ -134,7 +134,7 @@ class Mpi:
 
   def mixer(self, topology: Topology) -> MpiMixer:
     """W on this rank's block; a collective: every rank builds it, from the same topology (else ``ValueError``)."""
-    from gossipjax._src.fault import check_same_topology
+    from gossipjax.backend._mpi_fault import check_same_topology
 
     check_same_topology(self.comm, topology)  # before any rank can raise alone, leaving the others waiting
     check_divisible(topology, self.size, "MPI ranks")
@@ -166,32 +166,39 @@ class Mpi:
     return vmap_nodes(fn, in_axes, expected, where)
 
 
-def mpi(comm: Any = None, abort_on_error: bool = True) -> Mpi:
+def mpi(comm: Any = None, *, abort_on_error: bool = False) -> Mpi:
   """Nodes split over MPI ranks; launch with ``mpiexec -n K python script.py``.
 
   Rank r passes its own block of B = n / K nodes (leading axis B, e.g.
   ``x[backend.node_slice(n)]``); each gossip round is one ``mpi4jax.sendrecv`` per device
   offset, carrying only the rows the neighbour needs.
 
-  Also installs ``gj.abort_on_error`` (unless ``abort_on_error=False``): an uncaught
-  exception on one rank, or its exit while the others still run, then aborts the whole
-  job instead of leaving the other ranks waiting forever in their next exchange.
+  A rank that raises, or leaves early, leaves the others waiting in their next exchange
+  until a wall-clock limit ends the job. ``abort_on_error=True`` (or a call to
+  ``gj.backend.mpi_abort_on_error(comm)``) makes such a job end within seconds instead: it
+  hooks ``sys.excepthook`` and registers an ``atexit`` function, so it is opt-in. Scripts
+  meant for ``mpiexec`` should turn it on.
 
   For messages of more than a few hundred KiB, launch with ``gj.backend.mpi_launch_env``
   set (``$(python -c "import gossipjax as gj; print(gj.backend.mpi_launch_prefix())") mpiexec -n 4
   python script.py``): with glibc's defaults each exchange receives into freshly mapped pages,
-  and a 16 MiB ring round's exchanges took 4x longer (``benchmarks/RESULTS.md``).
+  and a 16 MiB ring round's exchanges took 4x longer (see the MPI benchmark).
 
   Args:
     comm: an ``mpi4py`` communicator; ``None`` uses a clone of ``COMM_WORLD``.
-    abort_on_error: install the hooks that abort the job on an uncaught exception or an early exit.
+    abort_on_error: install `mpi_abort_on_error` on this communicator: an uncaught
+      exception on one rank, or its exit while the others still run, aborts every rank.
+
+  Returns:
+    The backend: its ``mixer(topology)``, ``map(fn)`` and ``mean(tree)`` work on this
+    rank's block of nodes.
 
   Raises:
     ImportError: mpi4jax is not installed (the message says how to install it).
   """
   backend = Mpi(comm)
   if abort_on_error:
-    from gossipjax._src.fault import abort_on_error as install
+    from gossipjax.backend._mpi_fault import abort_on_error as install
 
     install(backend.comm)
   return backend

@@ -108,6 +108,6 @@ def pmapped(axis_name: str = "nodes", axis_size: int | None = None) -> Pmapped:
   Example:
     >>> import jax, gossipjax as gj
     >>> k = jax.device_count()
-    >>> tx = gj.gossip_sgd(gj.topology.ring(2 * k), backend=gj.backend.pmapped("nodes"))
+    >>> tx = gj.gossip_sgd(gj.topology.ring(2 * k), learning_rate=0.1, backend=gj.backend.pmapped("nodes"))
   """
   return Pmapped(axis_name, axis_size)

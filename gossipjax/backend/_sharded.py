@@ -180,6 +180,6 @@ def sharded(mesh: Mesh, axis: str = "nodes") -> Sharded:
     >>> import jax, gossipjax as gj
     >>> mesh = jax.make_mesh((len(jax.devices()),), ("nodes",))
     >>> be = gj.backend.sharded(mesh)
-    >>> tx = gj.gossip_sgd(gj.topology.ring(8 * len(jax.devices())), beta=0.9, backend=be)
+    >>> tx = gj.gossip_sgd(gj.topology.ring(8 * len(jax.devices())), beta=0.9, learning_rate=0.1, backend=be)
   """
   return Sharded(mesh, axis)

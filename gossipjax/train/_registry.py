@@ -62,7 +62,7 @@ class AlgorithmOptions:
 
 # (topology or None, learning rate, beta, backend, options) -> optax transform. None: needs no topology.
 ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
-    "allreduce": lambda topo, lr, beta, be, o: gj.allreduce_sgd(lr, beta=beta, backend=be),
+    "allreduce": lambda topo, lr, beta, be, o: gj.allreduce_sgd(beta, learning_rate=lr, backend=be),
     "dpsgd": lambda topo, lr, beta, be, o: gj.gossip_sgd(topo, beta=0.0, learning_rate=lr, backend=be),
     "dmsgd": lambda topo, lr, beta, be, o: gj.gossip_sgd(topo, beta=beta, learning_rate=lr, backend=be),
     "decentlam": lambda topo, lr, beta, be, o: gj.decentlam(topo, beta=beta, learning_rate=lr, backend=be),
@@ -72,7 +72,8 @@ ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "extra": lambda topo, lr, beta, be, o: gj.extra(topo, learning_rate=lr, backend=be),
     "sgp": lambda topo, lr, beta, be, o: gj.sgp(topo, learning_rate=lr, beta=beta, backend=be),
     "choco": lambda topo, lr, beta, be, o: gj.choco_sgd(
-        topo, lr, COMPRESSORS[o.compressor](o.compress_fraction), consensus_step=o.consensus_step, backend=be),
+        topo, COMPRESSORS[o.compressor](o.compress_fraction), learning_rate=lr, consensus_step=o.consensus_step,
+        backend=be),
     "dmsgd_pga": lambda topo, lr, beta, be, o: optax.chain(
         gj.gossip_sgd(topo, beta=beta, learning_rate=lr, backend=be), gj.periodic_average(o.average_every, backend=be)),
     "d_adam": lambda topo, lr, beta, be, o: optax.chain(optax.adam(lr, b1=beta), gj.mix(topo, backend=be)),

@@ -52,9 +52,9 @@ ALGORITHMS.update({
     "exact_diffusion": lambda topo, be: gj.exact_diffusion(topo, learning_rate=LR, backend=be),
     "extra": lambda topo, be: gj.extra(topo, learning_rate=LR, backend=be),
     "sgp": lambda topo, be: gj.sgp(topo, learning_rate=LR, beta=BETA, backend=be),
-    "choco_sgd": lambda topo, be: gj.choco_sgd(topo, LR, gj.compress.top_k(0.5), consensus_step=0.5, backend=be),
+    "choco_sgd": lambda topo, be: gj.choco_sgd(topo, gj.compress.top_k(0.5), learning_rate=LR, consensus_step=0.5, backend=be),
     # A random compressor: each node's key comes from its global index, so every backend draws the same bits.
-    "choco_sgd_random_k": lambda topo, be: gj.choco_sgd(topo, LR, gj.compress.random_k(0.5), consensus_step=0.5,
+    "choco_sgd_random_k": lambda topo, be: gj.choco_sgd(topo, gj.compress.random_k(0.5), learning_rate=LR, consensus_step=0.5,
                                                         seed=3, backend=be),
     "qg_dmsgd": lambda topo, be: gj.qg_dmsgd(topo, beta=BETA, learning_rate=LR, backend=be),
     "easgd": lambda topo, be: gj.easgd(learning_rate=LR, backend=be),

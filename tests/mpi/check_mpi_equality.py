@@ -32,6 +32,8 @@ def main() -> int:
   be = gj.backend.mpi()
   rank, size = be.rank, be.size
   errors, worst, checked = [], 0.0, 0
+  if sys.excepthook is not sys.__excepthook__:
+    errors.append("gj.backend.mpi() replaced sys.excepthook although abort_on_error was not asked for")
 
   def check(name, topo, steps=cases.STEPS, wrap=jax.jit):
     nonlocal worst, checked
@@ -55,7 +57,7 @@ def main() -> int:
   # Only neighbour exchange: one sendrecv per device offset this rank takes part in, no gathers.
   topo = T.exponential(4 * size)
   mixer = be.mixer(topo)
-  tx = gj.gossip_sgd(topo, beta=0.9, backend=be)
+  tx = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1, backend=be)
   x = jnp.ones((4, 3))
   calls = count_calls(lambda x, s: tx.update(x, s, x), x, tx.init(x))
   expected = sum(
@@ -63,13 +65,13 @@ def main() -> int:
   )
   if calls["sendrecv"] != expected or any(v for k, v in calls.items() if k != "sendrecv"):
     errors.append(f"gossip_sgd on {topo.name}: MPI calls {calls}, expected {expected} sendrecv only")
-  tx = gj.allreduce_sgd(backend=be)
+  tx = gj.allreduce_sgd(learning_rate=0.1, backend=be)
   calls = count_calls(lambda x, s: tx.update(x, s, x), x, tx.init(x))
   if calls["allreduce"] != 1 or calls["allgather"] or calls["sendrecv"]:
     errors.append(f"allreduce_sgd: MPI calls {calls}, expected one allreduce")
 
   try:
-    gj.gossip_sgd(T.ring(2 * size + 1), backend=be)
+    gj.gossip_sgd(T.ring(2 * size + 1), learning_rate=0.1, backend=be)
     errors.append("a node count not divisible by the ranks was accepted")
   except ValueError as e:
     if f"multiple of {size}" not in str(e):

@@ -1,9 +1,9 @@
 """Rank 2 raises while every other rank waits in a collective; the job must end, not hang.
 
 Usage: mpiexec -n 4 python fault_rank_raises.py {mpi4py,mpi4jax,gossip,kill}
-  mpi4py:  the others wait in ``comm.allreduce`` (mpi4py), rank 2 raises (gj.abort_on_error installed).
-  mpi4jax: the others wait in a jitted ``mpi4jax.allreduce``, rank 2 raises (gj.abort_on_error installed).
-  gossip:  the others take two gossip_sgd steps on ``gj.backend.mpi()`` (which installs the hook
+  mpi4py:  the others wait in ``comm.allreduce`` (mpi4py), rank 2 raises (gj.backend.mpi_abort_on_error installed).
+  mpi4jax: the others wait in a jitted ``mpi4jax.allreduce``, rank 2 raises (gj.backend.mpi_abort_on_error installed).
+  gossip:  the others take two gossip_sgd steps on ``gj.backend.mpi(abort_on_error=True)`` (which installs the hook
            itself), rank 2 raises instead.
   kill:    rank 2 is killed by SIGKILL (no Python hook runs); mpiexec must end the job.
 """
@@ -23,9 +23,9 @@ if mode != "kill":
   import gossipjax as gj
 
   if mode == "gossip":
-    backend = gj.backend.mpi()  # on every rank (cloning the communicator is collective)
+    backend = gj.backend.mpi(abort_on_error=True)  # on every rank (cloning the communicator is collective)
   else:
-    gj.abort_on_error()
+    gj.backend.mpi_abort_on_error()
 
 comm.Barrier()  # everyone is up: what follows is the failure, not a slow start
 if rank == 2:

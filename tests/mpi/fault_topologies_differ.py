@@ -18,7 +18,7 @@ EXIT_TIMEOUT = 3.0
 
 def main() -> None:
   backend = gj.backend.mpi()
-  gj.abort_on_error(backend.comm, exit_timeout=EXIT_TIMEOUT)
+  gj.backend.mpi_abort_on_error(backend.comm, exit_timeout=EXIT_TIMEOUT)
   rank = backend.rank
   cases = [(T.ring(4), T.exponential(4)), (T.ring(20), T.ring(16))]
   errors = []

@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax.backend import Backend
-from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import (
-    check_learning_rate, check_node_axis, float_leaves_only, make_mixer, require_params, require_static,
-)
+from gossipjax._validation import check_learning_rate, check_node_axis, require_params, require_static
+from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+
 
 
 class ExtraState(NamedTuple):
@@ -22,7 +21,8 @@ class ExtraState(NamedTuple):
 
 def extra(
     topology: Any,
-    learning_rate: optax.ScalarOrSchedule = 0.1,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""EXTRA (Shi, Ling, Wu and Yin, SIAM J. Optim. 2015), with ``\tilde W = (I + W) / 2``.
@@ -51,7 +51,7 @@ def extra(
   """
   check_learning_rate(learning_rate, "gj.extra")
   mixer = make_mixer(topology, backend)
-  require_static(mixer, "extra")
+  require_static(mixer.topology, "gj.extra")
 
   def init_fn(params):
     # A copy, not a view: a jitted step that donates both params and state needs distinct buffers.
@@ -60,7 +60,7 @@ def extra(
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
     require_params(params, "gj.extra")
-    check_node_axis(params, mixer.local_nodes, mixer.topology.name)
+    check_node_axis(params, mixer.local_nodes, "gj.extra", mixer.topology.name)
     lr = learning_rate_at(learning_rate, state.count)
     mixed = mixer.mix(params, state.count)
     step = jax.tree.map(lambda wx, g: wx - (lr * g).astype(wx.dtype), mixed, grads)

@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax.backend import Backend
-from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import (
-    check_learning_rate, check_momentum, check_node_axis, float_leaves_only, make_mixer, require_params,
-)
+from gossipjax._validation import check_learning_rate, check_momentum, check_node_axis, require_params
+from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+
 
 
 class SGPState(NamedTuple):
@@ -23,8 +22,9 @@ class SGPState(NamedTuple):
 
 def sgp(
     topology: Any,
-    learning_rate: optax.ScalarOrSchedule = 0.1,
     beta: float = 0.0,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Stochastic Gradient Push (Assran, Loizou, Ballas and Rabbat, ICML 2019).
@@ -82,7 +82,7 @@ def sgp(
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
     require_params(params, "gj.sgp")
-    check_node_axis(params, mixer.local_nodes, mixer.topology.name)
+    check_node_axis(params, mixer.local_nodes, "gj.sgp", mixer.topology.name)
     lr = learning_rate_at(learning_rate, state.count)
     per_node = lambda w, x: w.astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
     momentum = jax.tree.map(lambda m, g: (beta * m + g).astype(m.dtype), state.momentum, grads)

@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax.backend import Backend
-from gossipjax._src.hyperparams import check_in_range, learning_rate_at
-from gossipjax._src.mixing import (
-    check_learning_rate, check_momentum, check_node_axis, float_leaves_only, make_mixer, require_params,
-)
+from gossipjax._validation import check_in_range, check_learning_rate, check_momentum, check_node_axis, require_params
+from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+
 
 
 class QGMomentumState(NamedTuple):
@@ -22,8 +21,9 @@ class QGMomentumState(NamedTuple):
 
 def qg_dmsgd(
     topology: Any,
-    beta: float = 0.9,
-    learning_rate: optax.ScalarOrSchedule = 0.1,
+    beta: float = 0.0,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
     mu: float | None = None,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -54,7 +54,7 @@ def qg_dmsgd(
   check_momentum(beta, "gj.qg_dmsgd")
   mixer = make_mixer(topology, backend)
   mu = beta if mu is None else mu
-  check_in_range(mu, "gj.qg_dmsgd: mu", 0.0, 1.0)
+  check_in_range(mu, "gj.qg_dmsgd", "mu", 0.0, 1.0)
 
   def init_fn(params):
     return QGMomentumState(count=jnp.zeros([], jnp.int32), momentum=optax.tree.zeros_like(params))
@@ -62,7 +62,7 @@ def qg_dmsgd(
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
     require_params(params, "gj.qg_dmsgd")
-    check_node_axis(params, mixer.local_nodes, mixer.topology.name)
+    check_node_axis(params, mixer.local_nodes, "gj.qg_dmsgd", mixer.topology.name)
     lr = learning_rate_at(learning_rate, state.count)
     half = jax.tree.map(lambda x, g, m: x - (lr * (g + beta * m)).astype(x.dtype), params, grads, state.momentum)
     mixed = mixer.mix(half, state.count)

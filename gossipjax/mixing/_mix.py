@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gossipjax.backend import Backend
-from gossipjax._src.guard import SkipNodes, zero_skipped
-from gossipjax._src.hyperparams import check_period
-from gossipjax._src.mixing import check_node_axis, float_leaves_only, make_mixer, require_params
+from gossipjax._guard import SkipNodes, zero_skipped
+from gossipjax._validation import check_node_axis, check_period, require_params
+from gossipjax.mixing._contract import float_leaves_only, make_mixer
+from gossipjax.backend._base import Backend
+
 
 
 class MixState(NamedTuple):
@@ -47,7 +48,7 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
     >>> [round(float(v), 4) for v in (x + u).ravel()]  # each node: mean of itself and its two ring neighbours
     [1.3333, 1.0, 2.0, 1.6667]
   """
-  every = check_period(every, "mix: every")
+  every = check_period(every, "gj.mix")
   mixer = make_mixer(topology, backend)
 
   def init_fn(params):
@@ -57,7 +58,7 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
   def update_fn(updates, state, params=None, skip_nodes: SkipNodes | None = None, **extra_args):
     del extra_args
     require_params(params, "gj.mix")
-    check_node_axis(params, mixer.local_nodes, mixer.topology.name)
+    check_node_axis(params, mixer.local_nodes, "gj.mix", mixer.topology.name)
     updates = zero_skipped(updates, skip_nodes)
     x_half = jax.tree.map(lambda x, u: x + u, params, updates)
 

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gossipjax.backend import Backend, simulate
-from gossipjax._src.hyperparams import check_in_range, check_period, learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, float_leaves_only, require_params
+from gossipjax._validation import check_in_range, check_learning_rate, check_period, require_params
+from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
+
 
 
 class EASGDState(NamedTuple):
@@ -20,9 +21,10 @@ class EASGDState(NamedTuple):
 
 
 def easgd(
-    learning_rate: optax.ScalarOrSchedule = 0.1,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
     alpha: float = 0.05,
-    beta: float = 0.9,
+    center_rate: float = 0.9,
     every: int = 1,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -39,23 +41,25 @@ def easgd(
     \tilde x^{k+1} &= \tilde x^k + \beta \Big(\frac{1}{n} \sum_i x_i^k - \tilde x^k\Big),
     \qquad \tilde x^0 = \frac{1}{n} \sum_i x_i^0.
 
-  The paper's symmetric choice is ``beta = n alpha`` (then ``sum_i x_i + \tilde x`` is
-  conserved); it recommends ``beta = 0.9``. The center lives on a parameter server in the
+  ``center_rate`` is the paper's ``beta`` (renamed here because ``beta`` is the momentum in
+  every other gossipjax method). The paper's symmetric choice is ``beta = n alpha`` (then
+  ``sum_i x_i + \tilde x`` is conserved); it recommends ``beta = 0.9``. The center lives on a parameter server in the
   paper; here every node holds a copy, updated with the backend's all-reduce mean.
   EASGD has no gossip topology: it is the centralized baseline next to gossip methods.
 
   Args:
     learning_rate: a float or an optax schedule.
     alpha: elastic pull of each worker towards the center.
-    beta: moving rate of the center towards the workers' average.
+    center_rate: ``beta`` in the paper, the moving rate of the center towards the
+      workers' average.
     every: tau, apply the elastic terms every ``every`` steps (local SGD in between).
     backend: where the nodes live (default: simulate); provides the all-reduce mean.
   """
   check_learning_rate(learning_rate, "gj.easgd")
-  check_in_range(alpha, "gj.easgd: alpha", 0.0, 1.0)
-  check_in_range(beta, "gj.easgd: beta", 0.0, 1.0)
-  every = check_period(every, "easgd: every")
-  backend = backend or simulate()
+  check_in_range(alpha, "gj.easgd", "alpha", 0.0, 1.0)
+  check_in_range(center_rate, "gj.easgd", "center_rate", 0.0, 1.0)
+  every = check_period(every, "gj.easgd")
+  backend = resolve_backend(backend)
 
   def init_fn(params):
     return EASGDState(count=jnp.zeros([], jnp.int32), center=backend.mean(params))
@@ -69,7 +73,7 @@ def easgd(
     def elastic(sgd):
       updates = jax.tree.map(lambda u, x, c: (u - alpha * (x - c)).astype(x.dtype), sgd, params, state.center)
       mean = backend.mean(params)
-      center = jax.tree.map(lambda c, m: (c + beta * (m - c)).astype(c.dtype), state.center, mean)
+      center = jax.tree.map(lambda c, m: (c + center_rate * (m - c)).astype(c.dtype), state.center, mean)
       return updates, center
 
     updates, center = lax.cond(state.count % every == 0, elastic, lambda sgd: (sgd, state.center), sgd)

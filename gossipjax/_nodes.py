@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gossipjax.mixing import resolve_backend
+
 
 def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: int, same_init: bool = True) -> Any:
   """Params for ``num_nodes`` nodes, every leaf with a leading node axis.
@@ -110,9 +112,8 @@ def per_node(tx: optax.GradientTransformation, backend: Any = None) -> optax.Gra
     >>> [[round(float(v), 2) for v in node] for node in u]
     [[0.6, 0.8], [0.06, 0.08]]
   """
-  from gossipjax.backend import simulate
 
-  backend = backend if backend is not None else simulate()
+  backend = resolve_backend(backend)
   inner = optax.with_extra_args_support(tx)
 
   def init_fn(params):

@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax.backend import Backend
-from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import (
-    check_learning_rate, check_node_axis, float_leaves_only, make_mixer, require_params, require_static,
-)
+from gossipjax._validation import check_learning_rate, check_node_axis, require_params, require_static
+from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+
 
 
 class ExactDiffusionState(NamedTuple):
@@ -22,7 +21,8 @@ class ExactDiffusionState(NamedTuple):
 
 def exact_diffusion(
     topology: Any,
-    learning_rate: optax.ScalarOrSchedule = 0.1,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Exact diffusion (Yuan, Ying, Zhao and Sayed, IEEE TSP 2019), also D2 (Tang et al. 2018).
@@ -48,7 +48,7 @@ def exact_diffusion(
   """
   check_learning_rate(learning_rate, "gj.exact_diffusion")
   mixer = make_mixer(topology, backend)
-  require_static(mixer, "exact_diffusion")
+  require_static(mixer.topology, "gj.exact_diffusion")
 
   def init_fn(params):
     # A copy, not a view: a jitted step that donates both params and state needs distinct buffers.
@@ -57,7 +57,7 @@ def exact_diffusion(
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
     require_params(params, "gj.exact_diffusion")
-    check_node_axis(params, mixer.local_nodes, mixer.topology.name)
+    check_node_axis(params, mixer.local_nodes, "gj.exact_diffusion", mixer.topology.name)
     lr = learning_rate_at(learning_rate, state.count)
     psi = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
     phi = jax.tree.map(lambda p, x, p_old: p + x - p_old, psi, params, state.psi)

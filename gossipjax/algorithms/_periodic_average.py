@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gossipjax.backend import Backend, simulate
-from gossipjax._src.hyperparams import check_period
-from gossipjax._src.mixing import float_leaves_only, require_params
+from gossipjax._validation import check_period, require_params
+from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
+
 
 
 class PeriodicAverageState(NamedTuple):
@@ -39,8 +39,8 @@ def periodic_average(every: int, backend: Backend | None = None) -> optax.Gradie
     every: H, the period of the global average.
     backend: where the nodes live (default: simulate); provides the all-reduce.
   """
-  every = check_period(every, "periodic_average: every")
-  backend = backend or simulate()
+  every = check_period(every, "gj.periodic_average")
+  backend = resolve_backend(backend)
 
   def init_fn(params):
     del params

@@ -1,4 +1,10 @@
-"""Shared plumbing for algorithms: topology + backend -> mixer, and node-axis checks."""
+"""Argument checks shared by every public transform: one place, one message style.
+
+Every message starts with the public name it concerns (``gj.gossip_sgd: ...``), then says
+what was given, what was expected and how to fix it. Checks read only concrete values:
+under ``optax.inject_hyperparams`` with ``jit`` hyperparameters arrive traced and are the
+caller's responsibility.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +13,38 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-
-from gossipjax.backend import Backend, Mixer, simulate
-from gossipjax.topology import Topology, as_topology
-from gossipjax.topology._topology import Stochasticity
 
 
-def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stochasticity = "doubly") -> Mixer:
-  """Validates the topology for what the algorithm needs and builds the backend's mixer."""
-  topo = as_topology(topology).check(stochastic=stochastic)
-  return (backend or simulate()).mixer(topo)
+def check_in_range(value: Any, name: str, arg: str, low: float, high: float, low_open: bool = False) -> None:
+  """Raises ``ValueError`` when the number ``arg`` lies outside ``[low, high]`` (``(low, high]``)."""
+  v = _concrete_scalar(value, name, arg)
+  if v is None:
+    return
+  if not np.isfinite(v) or v > high or v < low or (low_open and v == low):
+    bracket = "(" if low_open else "["
+    raise ValueError(f"{name}: {arg} must be in {bracket}{low}, {high}], got {value!r}")
 
 
-def check_node_axis(tree: Any, expected: int, topology_name: str, what: str = "params") -> None:
+def check_period(value: Any, name: str, arg: str = "every") -> int | jax.Array:
+  """A period (``every``): a positive Python int, or a traced integer scalar given back as it is.
+
+  ``optax.inject_hyperparams`` hands every numeric argument to the transform as an array:
+  a concrete one (``init``, an eager ``update``) is read as an int, a traced one (``update``
+  under ``jit``) is used as a traced period, so it can change without a recompile.
+  """
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    if np.ndim(value) or not jnp.issubdtype(value.dtype, jnp.integer):
+      raise TypeError(f"{name}: {arg} must be an integer, got an array of {value.dtype} and shape {np.shape(value)}; "
+                      f"under optax.inject_hyperparams pass it as a static argument (static_args=('{arg}',))")
+    if isinstance(value, jax.core.Tracer):
+      return value
+    value = int(value)
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name}: {arg} must be a positive integer, got {value!r}")
+  return value
+
+
+def check_node_axis(tree: Any, expected: int, name: str, topology_name: str, what: str = "params") -> None:
   """Raises ``ValueError`` naming both sizes when a leaf's leading axis is not ``expected``.
 
   Shapes are static under ``jit``, so this costs nothing at run time.
@@ -30,21 +54,22 @@ def check_node_axis(tree: Any, expected: int, topology_name: str, what: str = "p
     if len(shape) == 0 or shape[0] != expected:
       got = "no node axis (a scalar)" if len(shape) == 0 else f"a leading node axis of {shape[0]}"
       raise ValueError(
-          f"{what}{jax.tree_util.keystr(path)} has {got}, but {topology_name} expects {expected} "
+          f"{name}: {what}{jax.tree_util.keystr(path)} has {got}, but {topology_name} expects {expected} "
           "nodes on the leading axis (stack every node's params, e.g. with gj.init_nodes)"
       )
 
 
-def require_static(mixer: Mixer, name: str) -> None:
+def require_static(topology: Any, name: str) -> None:
   """Raises for a time-varying W where a method's correction assumes the same W at every step."""
-  if mixer.topology.is_time_varying:
-    raise ValueError(f"{name} needs a static W, got {mixer.topology!r}; "
+  if topology.is_time_varying:
+    raise ValueError(f"{name}: needs a static W, got {topology!r}; "
                      "gj.gradient_tracking converges exactly on time-varying graphs")
 
 
 def require_params(params: Any, name: str) -> None:
+  """Raises when a transform that reads the params is called without them."""
   if params is None:
-    raise ValueError(f"{name} needs the current params: call tx.update(updates, state, params)")
+    raise ValueError(f"{name}: needs the current params: call tx.update(updates, state, params)")
 
 
 def _concrete_scalar(value: Any, name: str, what: str) -> float | None:
@@ -82,47 +107,3 @@ def check_momentum(beta: Any, name: str) -> None:
   b = _concrete_scalar(beta, name, "beta (the momentum)")
   if b is not None and not (np.isfinite(b) and 0 <= b < 1):
     raise ValueError(f"{name}: beta (the momentum) must be in [0, 1), got {b}")
-
-
-def _is_float(leaf: Any) -> bool:
-  dtype = getattr(leaf, "dtype", None)
-  return dtype is None or jnp.issubdtype(dtype, jnp.inexact)
-
-
-def float_leaves_only(tx: optax.GradientTransformation, keep_other_updates: bool = False
-                      ) -> optax.GradientTransformationExtraArgs:
-  """``tx`` on the floating-point leaves of the params; integer, bool and PRNG-key leaves are left alone.
-
-  Such a leaf (a step counter, a flax RNG count) is not a quantity to average: gossip
-  would mix node i's counter with its neighbours', and a method that divides by the
-  learning rate turns it into garbage. It is neither mixed nor kept in ``tx``'s state.
-  Its update is zero, or with ``keep_other_updates`` the incoming update passed on
-  unchanged (for transforms of updates, such as ``mix``, that sit inside a chain, as
-  optax's own transforms leave it to the chain). Params with only floating-point
-  leaves go to ``tx`` as they are, so its state is unchanged.
-  """
-  tx = optax.with_extra_args_support(tx)
-
-  def all_float(tree):
-    return all(_is_float(x) for x in jax.tree.leaves(tree))
-
-  def mask(tree, like):
-    return jax.tree.map(lambda p, x: x if _is_float(p) else optax.MaskedNode(), like, tree)
-
-  def init_fn(params):
-    return tx.init(params if all_float(params) else mask(params, params))
-
-  def update_fn(updates, state, params=None, **extra_args):
-    like = updates if params is None else params
-    if all_float(like):
-      return tx.update(updates, state, params, **extra_args)
-    new, state = tx.update(mask(updates, like), state, None if params is None else mask(params, like), **extra_args)
-
-    def fill(p, new, old):
-      if _is_float(p):
-        return new
-      return old if keep_other_updates else jnp.zeros_like(p)
-
-    return jax.tree.map(fill, like, new, updates), state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax.backend import Backend
-from gossipjax._src.hyperparams import learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, check_node_axis, float_leaves_only, make_mixer, require_params
+from gossipjax._validation import check_learning_rate, check_node_axis, require_params
+from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+
 
 
 class GradientTrackingState(NamedTuple):
@@ -20,7 +21,8 @@ class GradientTrackingState(NamedTuple):
 
 def gradient_tracking(
     topology: Any,
-    learning_rate: optax.ScalarOrSchedule = 0.1,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Gradient tracking, DIGing (Nedic, Olshevsky and Shi, SIAM J. Optim. 2017).
@@ -60,7 +62,7 @@ def gradient_tracking(
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
     require_params(params, "gj.gradient_tracking")
-    check_node_axis(params, mixer.local_nodes, mixer.topology.name)
+    check_node_axis(params, mixer.local_nodes, "gj.gradient_tracking", mixer.topology.name)
     lr = learning_rate_at(learning_rate, state.count)
     tracker = jax.tree.map(lambda c, g: c + g.astype(c.dtype), state.correction, grads)
     mixed_x, mixed_y = mixer.mix((params, tracker), state.count)

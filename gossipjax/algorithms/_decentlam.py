@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gossipjax.backend import Backend
-from gossipjax._src.mixing import (
-    check_learning_rate, check_momentum, check_node_axis, float_leaves_only, make_mixer, require_params,
-)
+from gossipjax._validation import check_learning_rate, check_momentum, check_node_axis, require_params
+from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+
 
 
 def _check_symmetric(topology, beta) -> None:
@@ -43,8 +42,9 @@ class DecentLaMState(NamedTuple):
 
 def decentlam(
     topology: Any,
-    beta: float = 0.9,
-    learning_rate: optax.ScalarOrSchedule = 0.1,
+    beta: float = 0.0,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DecentLaM (Yuan et al., ICCV 2021; Algorithm 2 of Yuan's 2021 lecture).
@@ -76,7 +76,7 @@ def decentlam(
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
     require_params(params, "gj.decentlam")
-    check_node_axis(params, mixer.local_nodes, mixer.topology.name)
+    check_node_axis(params, mixer.local_nodes, "gj.decentlam", mixer.topology.name)
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     half = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
     mixed = mixer.mix(half, state.count)

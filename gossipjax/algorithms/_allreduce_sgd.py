@@ -6,13 +6,14 @@ from typing import Any
 
 import optax
 
-from gossipjax.backend import Backend, simulate
-from gossipjax._src.mixing import check_learning_rate, check_momentum, float_leaves_only
+from gossipjax._validation import check_learning_rate, check_momentum
+from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
+
 
 
 def all_reduce(backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
   """Replaces every node's update by the average over all nodes (an all-reduce)."""
-  backend = backend or simulate()
+  backend = resolve_backend(backend)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -23,8 +24,9 @@ def all_reduce(backend: Backend | None = None) -> optax.GradientTransformationEx
 
 
 def allreduce_sgd(
-    learning_rate: optax.ScalarOrSchedule = 0.1,
     beta: float = 0.0,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
 ) -> optax.GradientTransformation:
   r"""Parallel momentum SGD (PmSGD / AllReduce-SGD), the centralized baseline.

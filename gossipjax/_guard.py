@@ -29,10 +29,14 @@ class GuardFiniteState(NamedTuple):
 class SkipNodes:
   """The nodes that skip this step, handed down an ``optax.chain`` as the extra arg ``skip_nodes``.
 
-  A transform that mixes (``gj.mix``) zeroes the local update of these nodes before it
-  mixes and calls `zero_skipped`, which records that the skip was handled there; the guard
-  then leaves the mixed updates as they are. Python state set while tracing, so it costs
-  nothing at run time.
+  `gj.guard_finite` passes it to the transform it wraps. A transform that mixes (``gj.mix``,
+  or a custom method) zeroes the local update of these nodes before it mixes with
+  `zero_skipped`, which records that the skip was handled there; the guard then leaves the
+  mixed updates as they are. Python state set while tracing, so it costs nothing at run time.
+
+  Attributes:
+    mask: bool (nodes,), True for the nodes that skip this step.
+    handled: whether a transform has zeroed their updates before mixing.
   """
 
   def __init__(self, mask: jax.Array):
@@ -45,7 +49,25 @@ def _per_node(mask: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def zero_skipped(updates: Any, skip_nodes: SkipNodes | None) -> Any:
-  """Zeroes the updates of the nodes in ``skip_nodes`` (a no-op when it is ``None``)."""
+  """Zeroes the updates of the nodes in ``skip_nodes`` (a no-op when it is ``None``).
+
+  The hook by which a custom method cooperates with `gj.guard_finite`: call it on the local
+  update (or gradient) before mixing, so that a node with a non-finite gradient sends its
+  current params and still receives its neighbours'.
+
+  Args:
+    updates: a pytree whose leaves carry the node axis.
+    skip_nodes: the extra arg ``skip_nodes`` the transform's ``update`` received, or ``None``.
+
+  Returns:
+    ``updates`` with the skipped nodes' rows set to zero.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> skip = gj.SkipNodes(jnp.array([False, True, False]))
+    >>> gj.zero_skipped(jnp.ones((3, 2)), skip).tolist()
+    [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+  """
   if skip_nodes is None:
     return updates
   skip_nodes.handled = True
@@ -56,10 +78,10 @@ def zero_skipped(updates: Any, skip_nodes: SkipNodes | None) -> Any:
 def _num_nodes(tree: Any, what: str) -> int:
   leaves = jax.tree.leaves(tree)
   if not leaves:
-    raise ValueError(f"guard_finite: {what} has no leaves")
+    raise ValueError(f"gj.guard_finite: {what} has no leaves")
   sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
   if len(sizes) != 1 or None in sizes:
-    raise ValueError(f"guard_finite: every leaf of {what} needs the same leading node axis, got sizes {sizes}")
+    raise ValueError(f"gj.guard_finite: every leaf of {what} needs the same leading node axis, got sizes {sizes}")
   return sizes.pop()
 
 
@@ -97,10 +119,12 @@ def guard_finite(inner: optax.GradientTransformation,
      every chain built on it) is told which nodes skip (the extra arg ``skip_nodes``) and
      mixes ``x_i + 0``, so node i still sends its current, finite params and still receives
      its neighbours': :math:`x_i^{k+1} = \sum_j w_{ij}(x_j^k + u_j^k)` with :math:`u_i^k = 0`.
-     The average over nodes is preserved as usual. For an ``inner`` that does not take
-     ``skip_nodes`` (a purely local optimizer, ``decentlam``, a custom method) the guard
-     zeroes node i's final update instead: node i is frozen for the step (its neighbours
-     then mixed its finite params, computed with a zero gradient);
+     The average over nodes is preserved as usual. A custom method takes part in the same
+     way: its ``update`` accepts the extra arg ``skip_nodes`` and passes its local update
+     (or gradient) through `gj.zero_skipped` before it mixes. For an ``inner`` that does
+     not (a purely local optimizer, ``decentlam``) the guard zeroes node i's final update
+     instead: node i is frozen for the step (its neighbours then mixed its finite params,
+     computed with a zero gradient);
   3. its per-node state (every leaf of ``inner``'s state whose leading axis is the node
      axis: momentum, Adam moments, trackers) is kept as it was before the step, so the
      skipped gradient leaves no trace. Scalar state (step counts) advances for every node,
@@ -135,7 +159,7 @@ def guard_finite(inner: optax.GradientTransformation,
   if max_consecutive is None:
     max_consecutive = 0
   if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, (int, np.integer)) or max_consecutive < 0:
-    raise ValueError(f"guard_finite: max_consecutive must be a non-negative integer or None, got {max_consecutive!r}")
+    raise ValueError(f"gj.guard_finite: max_consecutive must be a non-negative integer or None, got {max_consecutive!r}")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -146,7 +170,7 @@ def guard_finite(inner: optax.GradientTransformation,
   def update_fn(grads, state, params=None, **extra_args):
     n = state.nonfinite_count.shape[0]
     if _num_nodes(grads, "the gradients") != n:
-      raise ValueError(f"guard_finite: the gradients have {_num_nodes(grads, 'the gradients')} nodes on the "
+      raise ValueError(f"gj.guard_finite: the gradients have {_num_nodes(grads, 'the gradients')} nodes on the "
                        f"leading axis but the state was initialised for {n}")
     bad = _bad_nodes(grads, n)
     safe = jax.tree.map(lambda g: jnp.where(_per_node(bad, g), jnp.zeros_like(g), g), grads)

@@ -6,15 +6,16 @@ from typing import Any
 
 import optax
 
-from gossipjax.backend import Backend
-from gossipjax._src.mix import mix
-from gossipjax._src.mixing import check_learning_rate, check_momentum, float_leaves_only
+from gossipjax._validation import check_learning_rate, check_momentum
+from gossipjax.mixing import Backend, float_leaves_only, mix
+
 
 
 def gossip_sgd(
     topology: Any,
     beta: float = 0.0,
-    learning_rate: optax.ScalarOrSchedule = 0.1,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
 ) -> optax.GradientTransformation:
   r"""Decentralized momentum SGD (DmSGD); D-PSGD when ``beta = 0``.

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax.backend import Backend, simulate
+from gossipjax._validation import check_in_range, check_learning_rate, check_node_axis, require_params
+from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
+
 from gossipjax.compress import Compressor
-from gossipjax._src.hyperparams import check_in_range, learning_rate_at
-from gossipjax._src.mixing import check_learning_rate, check_node_axis, float_leaves_only, make_mixer, require_params
 
 
 class ChocoState(NamedTuple):
@@ -24,8 +25,9 @@ class ChocoState(NamedTuple):
 
 def choco_sgd(
     topology: Any,
-    learning_rate: optax.ScalarOrSchedule,
     compressor: Compressor,
+    *,
+    learning_rate: optax.ScalarOrSchedule,
     consensus_step: float,
     seed: int = 0,
     backend: Backend | None = None,
@@ -66,7 +68,7 @@ def choco_sgd(
 
   Example:
     >>> import jax.numpy as jnp, gossipjax as gj
-    >>> tx = gj.choco_sgd(gj.topology.ring(4), 0.1, gj.compress.sign(), consensus_step=0.5)
+    >>> tx = gj.choco_sgd(gj.topology.ring(4), gj.compress.sign(), learning_rate=0.1, consensus_step=0.5)
     >>> x = jnp.ones((4, 10), jnp.float32)
     >>> u, state = tx.update(jnp.zeros_like(x), tx.init(x), x)
     >>> state.message_bits.tolist()  # 10 sign bits and a 32-bit scale per node
@@ -75,12 +77,12 @@ def choco_sgd(
   if not isinstance(compressor, Compressor):
     raise TypeError(f"choco_sgd: compressor must be a gj.compress compressor, got {type(compressor).__name__}")
   check_learning_rate(learning_rate, "gj.choco_sgd")
-  check_in_range(consensus_step, "choco_sgd: consensus_step", 0.0, 1.0, low_open=True)
+  check_in_range(consensus_step, "gj.choco_sgd", "consensus_step", 0.0, 1.0, low_open=True)
   mixer = make_mixer(topology, backend)
   contraction = compressor.contraction()
   # Compression is per node; the backend's map keeps it on the device that holds the node (a
   # vmapped top-k or random permutation over a sharded node axis would otherwise be all-gathered).
-  node_map = (backend or simulate()).map
+  node_map = resolve_backend(backend).map
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)
@@ -97,7 +99,7 @@ def choco_sgd(
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
     require_params(params, "gj.choco_sgd")
-    check_node_axis(params, mixer.local_nodes, mixer.topology.name)
+    check_node_axis(params, mixer.local_nodes, "gj.choco_sgd", mixer.topology.name)
     lr = learning_rate_at(learning_rate, state.count)
     half = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
     keys = jax.vmap(jax.random.split)(state.key)

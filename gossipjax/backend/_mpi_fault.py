@@ -125,7 +125,7 @@ def _exit_together() -> None:
       _abort(f"rank {exit_comm.Get_rank()} of {exit_comm.Get_size()} is exiting, but not every rank reached "
              f"its exit within {timeout:g} s (a rank that returns or calls sys.exit early leaves the others "
              "waiting; if they were only busy, end every rank with comm.Barrier(), or raise exit_timeout "
-             "of gj.abort_on_error)")
+             "of gj.backend.mpi_abort_on_error)")
     time.sleep(_EXIT_POLL_S)
 
 
