@@ -193,3 +193,29 @@ def test_choco_limit_is_dpsgd_with_damped_mixing():
   damped = T.from_matrix(np.eye(N) + eta * (topo.matrix() - np.eye(N)))
   dpsgd, _ = run(gj.gossip_sgd(damped, learning_rate=lr), x0, grad, 3000)
   np.testing.assert_allclose(choco[-1], dpsgd[-1], rtol=0, atol=1e-9)
+
+
+def test_choco_orders_its_steps_as_the_paper_not_as_the_authors_code():
+  """The authors' code takes the consensus step with the old public copies, then compresses:
+  x+ = x - lr g + eta (W - I) x_hat, x_hat += C(x+ - x_hat). gj.choco_sgd follows Algorithm 2
+  (compress, update x_hat, then the consensus step with the new x_hat). The trajectories differ,
+  and so do the full-batch limits: adapt-then-combine x = W_eta (x - lr g) here, combine-then-adapt
+  x = W_eta x - lr g for the code's order."""
+  topo, lr, eta, fraction = T.ring(N), 0.05, 0.3, 0.34
+  grad_np, grad = least_squares()
+  x0 = np.zeros((N, 6))
+  ours, _ = run(gj.choco_sgd(topo, C.top_k(fraction), learning_rate=lr, consensus_step=eta), jnp.asarray(x0), grad, 3000)
+  w_eta = np.eye(N) + eta * (topo.matrix() - np.eye(N))
+  x, x_hat = x0.copy(), np.zeros_like(x0)
+  code_order = []
+  for _ in range(3000):
+    x = x - lr * grad_np(x) + eta * (topo.matrix() @ x_hat - x_hat)
+    x_hat = x_hat + top_k_np(x - x_hat, fraction)
+    code_order.append(x)
+  assert np.abs(np.asarray(ours[2]) - code_order[2]).max() > 1e-3  # they part at once
+  atc, cta = x0.copy(), x0.copy()
+  for _ in range(3000):
+    atc, cta = w_eta @ (atc - lr * grad_np(atc)), w_eta @ cta - lr * grad_np(cta)
+  np.testing.assert_allclose(np.asarray(ours[-1]), atc, rtol=0, atol=1e-9)
+  np.testing.assert_allclose(code_order[-1], cta, rtol=0, atol=1e-9)
+  assert np.abs(atc - cta).max() > 1e-4  # two different limits

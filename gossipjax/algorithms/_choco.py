@@ -54,6 +54,14 @@ def choco_sgd(
   stochastic W. An unbiased compressor (``random_k``, ``qsgd``) is used through its
   ``contraction()``, scaled by ``1 / (1 + omega)`` as in the paper.
 
+  The order of the steps is the paper's Algorithm 2. The authors' public code orders them
+  differently: it takes the consensus step with the *old* public copies, then compresses
+  (``x+ = x - lr g + eta (W - I) x_hat``, then ``x_hat += C(x+ - x_hat)``). The two
+  trajectories part from the first step, and their full-batch limits differ by
+  ``O(lr)``: adapt-then-combine ``x = W_eta (x - lr g)`` here, combine-then-adapt
+  ``x = W_eta x - lr g`` in that code, with ``W_eta = I + eta (W - I)``
+  (``tests/test_compress.py`` runs both).
+
   ``state.message_bits[i]`` is the size of the message node i sent in the last step
   (each node sends it to each of its out-neighbours); compare to
   ``gj.compress.identity().bits`` of the same params for the uncompressed size.

@@ -47,7 +47,9 @@ def qg_dmsgd(
     topology: doubly stochastic mixing.
     beta: heavy-ball coefficient.
     learning_rate: a float or an optax schedule.
-    mu: averaging rate of the quasi-global momentum (default ``beta``, as in the paper).
+    mu: averaging rate of the quasi-global momentum. The default, ``beta``, is the paper's
+      Algorithm 1; the authors' code uses ``mu = 0.1`` whatever ``beta`` is, so the two
+      agree only at ``beta = 0.9``: pass ``mu=0.1`` to match that code.
     backend: where the nodes live (default: simulate).
   """
   check_learning_rate(learning_rate, "gj.qg_dmsgd")

@@ -43,6 +43,10 @@ def top_k(fraction: float) -> TopK:
   Biased; a contraction with ``delta = k / d`` (Stich et al. 2018). Bits: k values and
   their ``ceil(log2 d)``-bit indices per layer (or the dense layer when smaller).
 
+  ``k`` is rounded up, so every layer keeps at least one entry; the CHOCO-SGD authors'
+  code rounds down (``int(fraction * d)``), which keeps one entry fewer whenever
+  ``fraction * d`` is not a whole number.
+
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
     >>> c = gj.compress.top_k(0.5)

@@ -12,11 +12,15 @@ from gossipjax.topology._topology import Topology, is_strongly_connected
 
 
 def one_peer_exponential(n: int) -> Topology:
-  """One-peer exponential graph (Ying et al. 2021; BlueFog's dynamic default).
+  """One-peer exponential graph (Ying et al. 2021).
 
   At step k node i averages ``1/2 x_i + 1/2 x_{(i + 2^(k mod tau)) mod n}`` with
   ``tau = ceil(log2 n)``: one message per node per step. For n a power of 2 the product
   of the tau matrices of one period is exact averaging, ``11^T / n``.
+
+  Node i receives from ``i + 2^k``; in BlueFog's dynamic one-peer schedule it receives from
+  ``i - 2^k``. The schedules are transposes of each other; BlueFog's orientation is
+  `one_peer_directed_exponential`.
   """
   n = _check_n(n, "one_peer_exponential", minimum=2)
   tau = max(1, math.ceil(math.log2(n)))
