@@ -131,3 +131,17 @@ def test_random_graphs_metropolis_doubly_stochastic_and_sparse_plan_is_exact(adj
   np.testing.assert_allclose(plan.dense(), topo.matrix(), atol=1e-15)
   assert len(plan.rounds) <= 2 * topo.max_degree() - 1
   assert T.rho(topo) < 1
+
+
+def test_exponential_edges_run_as_documented_against_bluefog():
+  """exponential: node i receives from i + 2^k; BlueFog's ExponentialTwoGraph (i - 2^k) is directed_exponential."""
+  from gossipjax import topology as T
+
+  def senders(topo, step=0):
+    return set(np.flatnonzero(topo.matrix(step)[0]).tolist()) - {0}
+
+  assert senders(T.exponential(8)) == {1, 2, 4}
+  assert senders(T.directed_exponential(8)) == {4, 6, 7}
+  np.testing.assert_array_equal(T.directed_exponential(8).matrix(), T.exponential(8).matrix().T)
+  assert [senders(T.one_peer_exponential(8), k) for k in range(3)] == [{1}, {2}, {4}]
+  assert [senders(T.one_peer_directed_exponential(8), k) for k in range(3)] == [{7}, {6}, {4}]
