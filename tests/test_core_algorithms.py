@@ -95,7 +95,7 @@ def test_decentlam_matches_its_rule(topo):
 
 @pytest.mark.parametrize("topo", [T.exponential(16), T.one_peer_exponential(8)], ids=lambda t: t.name)
 def test_decentlam_refuses_directed_w_and_says_why(topo):
-  with pytest.raises(ValueError, match="decentlam needs a symmetric W"):
+  with pytest.raises(ValueError, match=r"^gj\.decentlam: needs a symmetric W"):
     gj.decentlam(topo, beta=0.9, learning_rate=0.1)
 
 

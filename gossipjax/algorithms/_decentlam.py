@@ -28,7 +28,7 @@ def _check_symmetric(topology, beta) -> None:
     radius = float(np.max(np.abs(np.linalg.eigvals(companion))))
     detail = f" (here its spectral radius is {radius:.3f} at beta={beta}{': it diverges' if radius > 1 + 1e-9 else ''})"
   raise ValueError(
-      f"decentlam needs a symmetric W, but {topology.name} is directed: DecentLaM's recursion "
+      f"gj.decentlam: needs a symmetric W, but {topology.name} is directed: DecentLaM's recursion "
       f"x+ = W x + beta (x - x_prev) is only analysed, and only stable in general, for symmetric W{detail}. "
       "Use an undirected topology (ring, torus, hypercube, exponential(n, symmetric=True), metropolis weights) "
       "or gj.gossip_sgd for directed graphs."
