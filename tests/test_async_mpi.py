@@ -5,30 +5,23 @@ into a failure.
 """
 
 import json
-import os
-import shutil
-import subprocess
+from pathlib import Path
 import sys
 
 import numpy as np
 import pytest
+from _launch import mpiexec, run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
-MPIEXEC = shutil.which("mpiexec", path=BIN + os.pathsep + os.environ.get("PATH", ""))
+HERE = Path(__file__).parent
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-  if MPIEXEC is None:
-    pytest.fail("mpiexec not found: install the MPI stack (make install-mpi)")
   out = tmp_path_factory.mktemp("async_mpi") / "out.json"
-  env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), JAX_PLATFORMS="cpu")
-  proc = subprocess.run([MPIEXEC, "-n", "4", sys.executable, os.path.join(ROOT, "tests", "mpi", "async_adpsgd.py"),
-                         str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
+  proc = run([*mpiexec(4), sys.executable, HERE / "mpi" / "async_adpsgd.py", out], timeout=90, cwd=HERE)
+  assert proc.returncode == 0, proc.stdout[-4000:]
   return json.loads(out.read_text())
 
 

@@ -219,18 +219,16 @@ def test_resume_continues_bit_for_bit(tmp_path):
 @pytest.mark.slow
 def test_resume_under_mpi_is_bit_for_bit(tmp_path):
   """mpiexec -n 2: each rank saves its block of nodes at step 6; a second launch resumes to step 12."""
-  import subprocess
   import sys
 
-  bin_dir = pathlib.Path(sys.executable).parent
-  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  from _launch import mpiexec, run
+
   script = pathlib.Path(__file__).parent / "mpi" / "ckpt_resume.py"
   out = tmp_path / "out"
   out.mkdir()
   for mode in ("first", "resume"):
-    res = subprocess.run([str(bin_dir / "mpiexec"), "-n", "2", sys.executable, str(script), mode,
-                          str(tmp_path / "ckpt"), str(out)], env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = run([*mpiexec(2), sys.executable, script, mode, tmp_path / "ckpt", out], timeout=240)
+    assert res.returncode == 0, res.stdout[-4000:]
   assert ckpt.all_steps(ckpt.rank_directory(tmp_path / "ckpt", 0)) == [6]
   assert ckpt.all_steps(ckpt.rank_directory(tmp_path / "ckpt", 1)) == [6]
   for rank in (0, 1):

@@ -6,13 +6,13 @@ Every subprocess runs under a timeout, so a hang fails the test instead of stall
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from _launch import mpiexec, run
 from gossipjax import checkpoint as ckpt
 
 HERE = pathlib.Path(__file__).parent
@@ -25,20 +25,8 @@ _LIKE = tree(0)
 
 def _run(args, timeout, mpi_ranks=None):
   """Runs ``python args...`` (under ``mpiexec -n mpi_ranks`` if given); a run past ``timeout`` fails the test."""
-  bin_dir = pathlib.Path(sys.executable).parent
-  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", XLA_FLAGS="", JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, *map(str, args)]
-  if mpi_ranks:
-    cmd = [str(bin_dir / "mpiexec"), "-n", str(mpi_ranks), *cmd]
-  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
-  try:
-    out, _ = proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate()
-    pytest.fail(f"{' '.join(cmd[-3:])} hung (killed after {timeout} s):\n{out[-4000:]}")
-  return proc.returncode, out
+  res = run([*(mpiexec(mpi_ranks) if mpi_ranks else []), sys.executable, *args], timeout)
+  return res.returncode, res.stdout
 
 
 def _value(directory, step):

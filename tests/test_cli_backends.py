@@ -1,33 +1,21 @@
 """``gossipjax train --backend sharded|mpi`` reports the simulation's numbers (float32, to 1e-5)."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _launch import BIN
+from _launch import run as run_command
 
 
 ARGS = ["train", "--nodes", "8", "--steps", "50", "--log-every", "25", "--no-progress", "--checkpoint-every", "0",
         "--algorithms", "dmsgd,gradient_tracking", "--topologies", "ring,one_peer_exponential"]
-BIN = Path(sys.executable).parent
 
 
 def _launch(cmd, timeout):
-  """Runs ``cmd`` with a hard timeout that ends its whole process group (a hang fails, not stalls CI)."""
-  env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", XLA_FLAGS="", JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
-  try:
-    out, _ = proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate()
-    pytest.fail(f"{' '.join(map(str, cmd))} timed out after {timeout} s:\n{out[-3000:]}")
-  assert proc.returncode == 0, out[-4000:]
-  return out
+  """Runs ``cmd`` under a hard timeout; it must succeed."""
+  res = run_command(cmd, timeout)
+  assert res.returncode == 0, res.stdout[-4000:]
+  return res.stdout
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,15 @@
 """MPI jobs never hang: a rank that raises, dies or leaves early ends the whole job; ranks that disagree are told so."""
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import gossipjax as gj
+from _launch import mpiexec, run
 from gossipjax.backend._mpi_fault import _topology_digest, check_same_topology
 
 HERE = Path(__file__).parent
@@ -20,20 +18,8 @@ HANG_LIMIT = 90  # seconds; a healthy abort takes a few
 
 def launch(args: list[str], ranks: int, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
   """``mpiexec -n ranks python args...``; a run past ``timeout`` is killed (process group) and fails the test."""
-  bin_dir = Path(sys.executable).parent
-  mpiexec = bin_dir / "mpiexec"
-  assert mpiexec.exists(), f"no mpiexec next to {sys.executable}: install the MPI stack with `make install-mpi`"
-  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", XLA_FLAGS="", JAX_PLATFORMS="cpu")
-  start = time.monotonic()
-  proc = subprocess.Popen([str(mpiexec), "-n", str(ranks), sys.executable, *args], cwd=HERE, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-  try:
-    out, _ = proc.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate()
-    pytest.fail(f"mpiexec -n {ranks} {' '.join(args)} hung (killed after {timeout} s):\n{out[-4000:]}")
-  return subprocess.CompletedProcess(proc.args, proc.returncode, out, ""), time.monotonic() - start
+  res = run([*mpiexec(ranks), sys.executable, *args], timeout, cwd=HERE)
+  return res, res.seconds
 
 
 @pytest.mark.mpi

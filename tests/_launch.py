@@ -1,0 +1,54 @@
+"""Subprocesses for the tests (python, ``mpiexec``, the CLI), each under a hard timeout.
+
+A run past its timeout is killed with its whole process group and fails the test, so a
+hang (a rank waiting forever, a deadlocked save) fails CI instead of stalling it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+BIN = Path(sys.executable).parent  # the venv's bin: python, gossipjax, and the mpich wheel's mpiexec
+MPIEXEC = BIN / "mpiexec"
+
+
+def environment(**extra: str) -> dict[str, str]:
+  """The tests' environment for a child: the venv's bin first on PATH, CPU JAX with one device."""
+  return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", XLA_FLAGS="", JAX_PLATFORMS="cpu",
+              **extra)
+
+
+def mpiexec(ranks: int) -> list[str]:
+  """``[mpiexec, -n, ranks]``, the prefix of an MPI launch."""
+  assert MPIEXEC.exists(), f"no mpiexec next to {sys.executable}: install the MPI stack with `make install-mpi`"
+  return [str(MPIEXEC), "-n", str(ranks)]
+
+
+def run(cmd: Sequence[object], timeout: float, cwd: Path | str | None = None,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+  """Runs ``cmd`` (stdout and stderr together, in ``.stdout``); past ``timeout`` s it is killed and the test fails.
+
+  The result carries ``.seconds``, the wall time of the run.
+  """
+  args = [str(c) for c in cmd]
+  start = time.monotonic()
+  proc = subprocess.Popen(args, cwd=cwd, env=env or environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate()
+    pytest.fail(f"{' '.join(a if len(a) < 80 else '...' + a[-60:] for a in args)} hung "
+                f"(killed after {timeout} s):\n{out[-4000:]}")
+  result = subprocess.CompletedProcess(args, proc.returncode, out, "")
+  result.seconds = time.monotonic() - start
+  return result
