@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from gossipjax import cli
 
 
+@pytest.mark.slow
 def test_train_writes_metrics_plot_and_table(tmp_path, capsys):
   out = tmp_path / "run"
   results = cli.main(["train", "--steps", "50", "--log-every", "25", "--nodes", "8", "--no-progress",
@@ -89,6 +90,7 @@ def test_learning_rate_parses_only_finite_positive_numbers(value):
     assert ok and args.lr == value
 
 
+@pytest.mark.slow
 def test_resume_refuses_changed_options_unless_allowed(tmp_path, capsys):
   common = ["train", "--nodes", "4", "--steps", "25", "--log-every", "25", "--checkpoint-every", "25", "--no-progress",
             "--algorithms", "dmsgd", "--topologies", "ring", "--out", str(tmp_path)]
@@ -108,6 +110,7 @@ def test_resume_refuses_changed_options_unless_allowed(tmp_path, capsys):
   assert [r["step"] for r in rows] == [25, 50]
 
 
+@pytest.mark.slow
 def test_resume_continues_bit_for_bit(tmp_path):
   common = ["train", "--nodes", "8", "--log-every", "25", "--checkpoint-every", "25", "--no-progress",
             "--algorithms", "dmsgd,decentlam", "--topologies", "one_peer_exponential,ring"]
@@ -129,6 +132,7 @@ def test_resume_continues_bit_for_bit(tmp_path):
       assert a == b  # every metric equal as floats, not just close
 
 
+@pytest.mark.slow
 def test_exact_methods_run_and_static_only_ones_skip_time_varying_graphs(tmp_path):
   cli.main(["train", "--steps", "25", "--nodes", "8", "--no-progress", "--out", str(tmp_path),
             "--algorithms", "gradient_tracking,extra", "--topologies", "one_peer_exponential"])
@@ -137,6 +141,7 @@ def test_exact_methods_run_and_static_only_ones_skip_time_varying_graphs(tmp_pat
   assert "needs a static W" in metrics["config"]["skipped"]["extra/one_peer_exponential"]
 
 
+@pytest.mark.slow
 def test_every_algorithm_and_the_cnn_run_without_checkpoints_by_default(tmp_path):
   cli.main(["train", "--steps", "25", "--nodes", "4", "--no-progress", "--out", str(tmp_path), "--model", "cnn",
             "--algorithms", "choco,sgp,dmsgd_pga,d_adam,easgd", "--topologies", "ring", "--compressor", "sign",

@@ -169,6 +169,7 @@ def test_timing_stops_waiting_for_a_process_that_is_never_quiet():
   assert 0.1 <= elapsed < 2.0  # one wait of 0.1 s, not forty
 
 
+@pytest.mark.slow
 def test_benchmark_suite_quick(tmp_path):
   out = tmp_path / "results.json"
   bench_main.main(["--quick", "--no-torch", "--json", str(out),
