@@ -11,6 +11,16 @@ import numpy as np
 
 
 class Dataset(NamedTuple):
+  """A labelled data set, split into training and test parts (what the ``load_*`` functions return).
+
+  Attributes:
+    x_train: float32 training inputs, (N, ...) with the sample axis first.
+    y_train: int32 training labels, (N,).
+    x_test: float32 test inputs, (M, ...).
+    y_test: int32 test labels, (M,).
+    num_classes: how many classes the labels range over (labels are 0 .. num_classes - 1).
+  """
+
   x_train: np.ndarray
   y_train: np.ndarray
   x_test: np.ndarray
@@ -25,6 +35,22 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0, flat: bool = True) -
     test_fraction: share held out for testing (stratified split).
     seed: shuffling seed.
     flat: (N, 64) when True, else images (N, 8, 8, 1).
+
+  Returns:
+    A `Dataset` with 10 classes: 1,347 training and 450 test samples at the default
+    ``test_fraction``, float32 inputs in [0, 1] and int32 labels.
+
+  Example:
+    >>> import gossipjax as gj
+    >>> ds = gj.data.load_digits()
+    >>> ds.x_train.shape, ds.x_test.shape, ds.num_classes
+    ((1347, 64), (450, 64), 10)
+    >>> gj.data.load_digits(flat=False).x_train.shape
+    (1347, 8, 8, 1)
+
+  References:
+    Alpaydin, Kaynak (1998), Optical Recognition of Handwritten Digits, UCI Machine Learning
+    Repository.
   """
   from sklearn.datasets import load_digits as sk_load_digits
 
@@ -46,6 +72,33 @@ def load_cifar10(data_dir: str) -> Dataset:
   Expects ``data_batch_1`` ... ``data_batch_5`` (any that exist are used) and
   ``test_batch``, each a pickle with ``b"data"`` (N, 3072) uint8 and ``b"labels"``.
   Images come back as float32 (N, 32, 32, 3) in [0, 1].
+
+  Args:
+    data_dir: the directory holding the batches (``cifar-10-batches-py`` once extracted).
+
+  Returns:
+    A `Dataset` with 10 classes: 50,000 training and 10,000 test images for the full set.
+
+  Raises:
+    FileNotFoundError: ``data_dir`` holds no training batch or no ``test_batch``.
+
+  Example:
+    Two blank images in the same format stand in for the real files here:
+
+    >>> import os, pickle, tempfile
+    >>> import numpy as np, gossipjax as gj
+    >>> data_dir = tempfile.mkdtemp()
+    >>> batch = {b"data": np.zeros((2, 3072), np.uint8), b"labels": [3, 5]}
+    >>> for name in ("data_batch_1", "test_batch"):
+    ...   with open(os.path.join(data_dir, name), "wb") as f:
+    ...     pickle.dump(batch, f)
+    >>> ds = gj.data.load_cifar10(data_dir)
+    >>> ds.x_train.shape, ds.y_test.tolist()
+    ((2, 32, 32, 3), [3, 5])
+
+  References:
+    Krizhevsky (2009), Learning Multiple Layers of Features from Tiny Images, technical
+    report, University of Toronto.
   """
   def read(name):
     path = os.path.join(data_dir, name)
@@ -64,7 +117,44 @@ def load_cifar10(data_dir: str) -> Dataset:
 
 
 def load_mnist(data_dir: str) -> Dataset:
-  """MNIST from a local directory of the four standard IDX files (gzipped or not)."""
+  """MNIST from a local directory of the four standard IDX files (gzipped or not).
+
+  Reads ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``
+  and ``t10k-labels-idx1-ubyte``, each optionally with a ``.gz`` suffix.
+
+  Args:
+    data_dir: the directory holding the four files.
+
+  Returns:
+    A `Dataset` with 10 classes and float32 images (N, 28, 28, 1) in [0, 1]: 60,000
+    training and 10,000 test images for the full set.
+
+  Raises:
+    FileNotFoundError: one of the four files is missing.
+
+  Example:
+    Two blank images in the IDX format stand in for the real files here:
+
+    >>> import os, tempfile
+    >>> import numpy as np, gossipjax as gj
+    >>> data_dir = tempfile.mkdtemp()
+    >>> def idx(array):  # magic number (0, 0, uint8, ndim), then the dimensions big-endian
+    ...   dims = b"".join(d.to_bytes(4, "big") for d in array.shape)
+    ...   return bytes([0, 0, 8, array.ndim]) + dims + array.tobytes()
+    >>> images, labels = np.zeros((2, 28, 28), np.uint8), np.array([7, 1], np.uint8)
+    >>> for split in ("train", "t10k"):
+    ...   with open(os.path.join(data_dir, f"{split}-images-idx3-ubyte"), "wb") as f:
+    ...     _ = f.write(idx(images))
+    ...   with open(os.path.join(data_dir, f"{split}-labels-idx1-ubyte"), "wb") as f:
+    ...     _ = f.write(idx(labels))
+    >>> ds = gj.data.load_mnist(data_dir)
+    >>> ds.x_train.shape, ds.y_train.tolist()
+    ((2, 28, 28, 1), [7, 1])
+
+  References:
+    LeCun, Bottou, Bengio, Haffner (1998), Gradient-Based Learning Applied to Document
+    Recognition, Proceedings of the IEEE.
+  """
   def read_idx(stem):
     for name in (stem, stem + ".gz"):
       path = os.path.join(data_dir, name)

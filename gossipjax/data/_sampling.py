@@ -12,8 +12,11 @@ import numpy as np
 class NodeData(NamedTuple):
   """A data set split over nodes, ready for jitted sampling.
 
+  Built by `node_data`; `sample_batches` draws from it inside ``jit``.
+
   Attributes:
-    inputs, targets: the whole data set (shared; nodes index into it).
+    inputs: the whole data set's inputs (N, ...), shared: nodes index into it.
+    targets: the whole data set's targets (N, ...), shared likewise.
     index: int32 (n, max_len); row i lists node i's samples, padded by repeating them.
     sizes: int32 (n,), how many samples each node really has.
   """
@@ -25,11 +28,31 @@ class NodeData(NamedTuple):
 
   @property
   def num_nodes(self) -> int:
+    """The number of nodes n (rows of ``index``)."""
     return self.index.shape[0]
 
 
 def node_data(inputs: Any, targets: Any, parts: Sequence[np.ndarray]) -> NodeData:
-  """Packs a partition (a list of index arrays, one per node) into a `NodeData`."""
+  """Packs a partition (a list of index arrays, one per node) into a `NodeData`.
+
+  Args:
+    inputs: the whole data set's inputs, (N, ...).
+    targets: the whole data set's targets, (N, ...).
+    parts: one index array per node, such as the ``partition_*`` functions return.
+
+  Returns:
+    A `NodeData` whose ``index`` rows are the parts padded (by repeating each part) to the
+    longest one's length.
+
+  Raises:
+    ValueError: a part is empty.
+
+  Example:
+    >>> import numpy as np, gossipjax as gj
+    >>> data = gj.data.node_data(np.arange(5.0), np.arange(5), [np.array([0, 1, 2]), np.array([3, 4])])
+    >>> data.index.tolist(), data.sizes.tolist(), data.num_nodes
+    ([[0, 1, 2], [3, 4, 3]], [3, 2], 2)
+  """
   sizes = np.array([len(p) for p in parts])
   if (sizes == 0).any():
     raise ValueError(f"node(s) {np.flatnonzero(sizes == 0)[:10].tolist()} have no data")
@@ -41,8 +64,26 @@ def node_data(inputs: Any, targets: Any, parts: Sequence[np.ndarray]) -> NodeDat
 def sample_batches(data: NodeData, key: jax.Array, batch_size: int) -> tuple[jax.Array, jax.Array]:
   """``batch_size`` samples per node, drawn with replacement from that node's own data.
 
-  Returns inputs of shape (n, batch_size, ...) and targets of shape (n, batch_size, ...).
   Deterministic in ``key``; fold the step into it (``jax.random.fold_in(key, step)``).
+
+  Args:
+    data: the data set over nodes (`node_data`).
+    key: a PRNG key.
+    batch_size: samples per node.
+
+  Returns:
+    ``(inputs, targets)`` of shapes (n, batch_size, ...): row i holds node i's batch.
+
+  Example:
+    Node 0 owns the samples 0 to 2, node 1 the samples 3 and 4:
+
+    >>> import jax, numpy as np, gossipjax as gj
+    >>> data = gj.data.node_data(np.arange(5.0), np.arange(5), [np.array([0, 1, 2]), np.array([3, 4])])
+    >>> x, y = jax.jit(gj.data.sample_batches, static_argnums=2)(data, jax.random.key(0), 4)
+    >>> x.shape
+    (2, 4)
+    >>> bool((y[0] <= 2).all()), bool((y[1] >= 3).all())
+    (True, True)
   """
   u = jax.random.uniform(key, (data.num_nodes, batch_size))
   pos = jnp.minimum((u * data.sizes[:, None]).astype(jnp.int32), data.sizes[:, None] - 1)
