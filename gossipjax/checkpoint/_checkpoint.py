@@ -60,7 +60,24 @@ _OWNER = ".mpi_rank"
 
 
 class CorruptCheckpointError(RuntimeError):
-  """A checkpoint on disk is truncated, modified or unreadable."""
+  """A checkpoint on disk is truncated, modified or unreadable.
+
+  `restore` raises it when a step's manifest is missing, does not match its own checksum, or
+  a file does not match the size or SHA-256 the manifest recorded, instead of returning
+  silently wrong numbers. The other saved steps stay usable.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, gossipjax as gj
+    >>> d = tempfile.mkdtemp()
+    >>> step_dir = gj.checkpoint.save(d, {"w": jnp.arange(4.0)}, step=1)
+    >>> manifest = step_dir / "gossipjax_manifest.json"
+    >>> _ = manifest.write_text(manifest.read_text()[:-10])  # a truncated write
+    >>> try:
+    ...   gj.checkpoint.restore(d, like={"w": jnp.zeros(4)})
+    ... except gj.checkpoint.CorruptCheckpointError as e:
+    ...   print("corrupt:", "unreadable" in str(e))
+    corrupt: True
+  """
 
 
 def _is_key(x: Any) -> bool:
@@ -358,7 +375,24 @@ def _sealed_steps(directory: pathlib.Path) -> dict[int, pathlib.Path]:
 
 
 def all_steps(directory: str | os.PathLike) -> list[int]:
-  """The steps saved (sealed by their manifest) in ``directory``, in increasing order."""
+  """The steps saved (sealed by their manifest) in ``directory``, in increasing order.
+
+  A save in progress or killed before its manifest was written is not listed.
+
+  Args:
+    directory: the checkpoint directory given to `save`.
+
+  Returns:
+    The saved steps as a sorted list of ints; empty when there is none (or no directory).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, gossipjax as gj
+    >>> d = tempfile.mkdtemp()
+    >>> for step in (30, 10, 20):
+    ...   _ = gj.checkpoint.save(d, {"w": jnp.zeros(2)}, step=step)
+    >>> gj.checkpoint.all_steps(d)
+    [10, 20, 30]
+  """
   return sorted(_sealed_steps(pathlib.Path(directory)))
 
 
@@ -370,6 +404,20 @@ def latest_step(directory: str | os.PathLike, comm: Any = None) -> int | None:
     comm: an mpi4py communicator. Each rank passes its own directory and gets the newest
       step that *every* rank has saved (a crash can leave one rank a step ahead), the same
       on all ranks.
+
+  Returns:
+    The step as an int, or ``None`` when ``directory`` holds no saved step (with ``comm``:
+    when no step is saved on every rank).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, gossipjax as gj
+    >>> d = tempfile.mkdtemp()
+    >>> print(gj.checkpoint.latest_step(d))
+    None
+    >>> for step in (10, 20):
+    ...   _ = gj.checkpoint.save(d, {"w": jnp.zeros(2)}, step=step)
+    >>> gj.checkpoint.latest_step(d)
+    20
   """
   steps = all_steps(directory)
   if comm is None:
@@ -379,7 +427,23 @@ def latest_step(directory: str | os.PathLike, comm: Any = None) -> int | None:
 
 
 def rank_directory(directory: str | os.PathLike, rank: int) -> pathlib.Path:
-  """``directory/rank_<rank>``: where one MPI rank keeps the checkpoints of its own nodes."""
+  """``directory/rank_<rank>``: where one MPI rank keeps the checkpoints of its own nodes.
+
+  Each MPI rank holds its own block of nodes and saves them on its own, so ranks must not
+  share a checkpoint directory (`save` refuses a directory another rank saves into).
+
+  Args:
+    directory: the checkpoint directory shared by the run.
+    rank: this process's MPI rank (``comm.rank``).
+
+  Returns:
+    The rank's own directory, as a ``pathlib.Path`` (not created here; `save` creates it).
+
+  Example:
+    >>> import gossipjax as gj
+    >>> gj.checkpoint.rank_directory("runs/ckpt", 3).as_posix()
+    'runs/ckpt/rank_3'
+  """
   return pathlib.Path(directory) / f"rank_{int(rank)}"
 
 
@@ -477,6 +541,23 @@ def restore(directory: str | os.PathLike, like: Any, step: int | None = None, *,
     CorruptCheckpointError: the step on disk is truncated, modified or unreadable.
     ValueError: ``like`` has another structure, shape or dtype than the saved tree, or, under
       MPI, the step holds another rank's nodes.
+
+  Example:
+    A typed PRNG key and a Python step counter come back as they were saved:
+
+    >>> import tempfile, jax, jax.numpy as jnp, gossipjax as gj
+    >>> d = tempfile.mkdtemp()
+    >>> for step in (1, 2):
+    ...   state = {"w": jnp.full((2, 3), float(step)), "key": jax.random.key(step), "step": step}
+    ...   _ = gj.checkpoint.save(d, state, step=step)
+    >>> like = {"w": jnp.zeros((2, 3)), "key": jax.random.key(0), "step": 0}
+    >>> back = gj.checkpoint.restore(d, like, step=1)
+    >>> back["w"].tolist(), back["step"]
+    ([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], 1)
+    >>> bool((jax.random.key_data(back["key"]) == jax.random.key_data(jax.random.key(1))).all())
+    True
+    >>> gj.checkpoint.restore(d, like)["step"]  # the newest step
+    2
   """
   import orbax.checkpoint as ocp
 
