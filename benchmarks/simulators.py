@@ -74,7 +74,7 @@ def adpsgd_event(n: int, topology: str, events: int, reps: int) -> dict:
   data, loss_fn, params = _problem(n)
   topo = None if topology == "uniform" else gj.topology.ring(n)
   t0 = time.perf_counter()
-  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.3, latency=0.01), 0.01, 4, topology=topo)
+  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.3, latency=0.01), topo, learning_rate=0.01, batch_size=4)
   state = sim.init(params, jax.random.key(0))
   setup = time.perf_counter() - t0
   seconds, _ = _per_call(sim.run, state, events, reps)
@@ -85,7 +85,8 @@ def sgp_step(n: int, steps: int, reps: int) -> dict:
   data, loss_fn, params = _problem(n)
   topo = gj.topology.one_peer_directed_exponential(n)
   t0 = time.perf_counter()
-  sim = ga.sgp_bounded_staleness(loss_fn, data, ga.cluster(n, jitter=0.3, latency=0.5), topo, 0.01, 4, tau=1)
+  sim = ga.sgp_bounded_staleness(loss_fn, data, ga.cluster(n, jitter=0.3, latency=0.5), topo, learning_rate=0.01,
+                                 batch_size=4, tau=1)
   state = sim.init(params, jax.random.key(0))
   setup = time.perf_counter() - t0
   seconds, _ = _per_call(sim.run, state, steps, reps)

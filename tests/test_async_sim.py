@@ -81,7 +81,7 @@ def test_adpsgd_matches_numpy_event_loop():
   speeds = [1.0, 1.37, 2.9, 0.61]
   pairs = gj.topology.from_matrix(np.kron(np.eye(2), np.full((2, 2), 0.5)))
   c = ga.cluster(n, slowdown=speeds, latency=comm)
-  sim = ga.adpsgd(loss_fn, data, c, lr, batch_size=1, topology=pairs)
+  sim = ga.adpsgd(loss_fn, data, c, pairs, learning_rate=lr, batch_size=1)
   state = sim.run(sim.init(stacked(n), jax.random.key(0)), 50)
   x_ref, finish_ref = adpsgd_numpy(a, b, speeds, comm, lr, 50)
   np.testing.assert_allclose(state.params["w"], x_ref, atol=1e-12)
@@ -93,7 +93,7 @@ def test_adpsgd_straggler_does_not_hold_back_and_its_stale_gradient_is_harmless(
   n, slow = 8, 1000.0
   data, loss_fn, full = least_squares_problem(n)
   c = ga.straggler_cluster(n, slow, latency=0.01)
-  sim = ga.adpsgd(loss_fn, data, c, 0.05, batch_size=4)
+  sim = ga.adpsgd(loss_fn, data, c, learning_rate=0.05, batch_size=4)
   x0 = stacked(n, 0.0)
   state = sim.init(x0, jax.random.key(1))
   state = sim.run(state, 7 * 900)  # 900 events per fast node: the straggler is not done yet
@@ -115,7 +115,7 @@ def test_adpsgd_faults_dropout_rejoin_and_lost_messages():
   data, loss_fn, full = least_squares_problem(n)
   f = ga.faults(down=[(2, 20.0, 60.0)], loss_prob=0.3)
   c = ga.cluster(n, jitter=0.2)
-  sim = ga.adpsgd(loss_fn, data, c, 0.05, batch_size=4, faults=f)
+  sim = ga.adpsgd(loss_fn, data, c, learning_rate=0.05, batch_size=4, faults=f)
   state = sim.run(sim.init(stacked(n), jax.random.key(2)), 200)
   assert 20.0 < float(state.clock) < 45.0
   frozen = np.asarray(state.params["w"][2])
@@ -136,7 +136,7 @@ def test_adpsgd_pair_averages_conserve_the_sum_under_losses():
   n = 5
   _, _, data, loss_fn = one_sample_problem(n)
   f = ga.faults(down=[(1, 0.0, 5.0), (3, 2.0, 4.0)], loss_prob=0.4)
-  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.5), 0.0, batch_size=1, faults=f)
+  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.5), learning_rate=0.0, batch_size=1, faults=f)
   x0 = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))}
   state = sim.run(sim.init(x0, jax.random.key(3)), 400)
   np.testing.assert_allclose(state.params["w"].sum(0), x0["w"].sum(0), atol=1e-12)
@@ -165,7 +165,7 @@ def test_adpsgd_event_cost_does_not_grow_with_n():
   rng = np.random.default_rng(0)
   data = gj.data.node_data(rng.normal(size=(n, d)), rng.normal(size=n), np.arange(n)[:, None])
   loss_fn = lambda x, batch: 0.5 * jnp.mean((batch[0] @ x - batch[1]) ** 2)
-  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.3), 0.1, batch_size=1)
+  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.3), learning_rate=0.1, batch_size=1)
   t0 = time.perf_counter()
   state = sim.run(sim.init(jnp.zeros((n, d)), jax.random.key(0)), events)
   jax.block_until_ready(state)
@@ -177,7 +177,7 @@ def test_adpsgd_event_cost_does_not_grow_with_n():
 def test_adpsgd_peers_come_from_the_sparse_plans():
   n = 64
   _, _, data, loss_fn = one_sample_problem(n)
-  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.5), 0.0, batch_size=1, topology=gj.topology.ring(n))
+  sim = ga.adpsgd(loss_fn, data, ga.cluster(n, jitter=0.5), gj.topology.ring(n), learning_rate=0.0, batch_size=1)
   x0 = {"w": jnp.asarray(np.eye(n)[:, :D])}  # node i holds e_i (i < 3): mass moves along ring edges only
   state = sim.run(sim.init(x0, jax.random.key(0)), 3)
   w = np.asarray(state.params["w"])
@@ -301,7 +301,8 @@ def test_sgp_with_tau_0_and_no_delay_is_gj_sgp():
   _, _, data, loss_fn = one_sample_problem(n)
   topo = gj.topology.one_peer_directed_exponential(n)
   x0 = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))}
-  sim = ga.sgp_bounded_staleness(loss_fn, data, ga.cluster(n, jitter=0.3), topo, lr, 1, tau=0)
+  sim = ga.sgp_bounded_staleness(loss_fn, data, ga.cluster(n, jitter=0.3), topo, learning_rate=lr, batch_size=1,
+                                 tau=0)
   state = sim.run(sim.init(x0, jax.random.key(0)), steps)
   tx = gj.sgp(topo, learning_rate=lr)
   x, opt = x0, tx.init(x0)
@@ -330,7 +331,8 @@ def test_sgp_staleness_hides_a_slow_link_and_stays_exact():
   x0 = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))}
   times, states = {}, {}
   for tau in (0, 4):
-    sim = ga.sgp_bounded_staleness(loss_fn, data, c, topo, 0.05, 4, tau=tau, link_slowdown=slow_link)
+    sim = ga.sgp_bounded_staleness(loss_fn, data, c, topo, learning_rate=0.05, batch_size=4, tau=tau,
+                                   link_slowdown=slow_link)
     states[tau] = sim.run(sim.init(x0, jax.random.key(0)), 200)
     times[tau] = float(states[tau].clock)
   assert times[0] > 2 * 200  # every 1 s step waits for a message of 1 s (or 3 s) after it
@@ -341,7 +343,8 @@ def test_sgp_staleness_hides_a_slow_link_and_stays_exact():
     x = ga.sgp_params(s)
     assert full(gj.node_mean(x)["w"]) < 0.1 * full(np.zeros(D))
   # learning rate 0: push-sum with late messages still reaches the exact average
-  sim = ga.sgp_bounded_staleness(loss_fn, data, c, topo, 0.0, 4, tau=3, link_slowdown=slow_link)
+  sim = ga.sgp_bounded_staleness(loss_fn, data, c, topo, learning_rate=0.0, batch_size=4, tau=3,
+                                 link_slowdown=slow_link)
   s = sim.run(sim.init(x0, jax.random.key(0)), 150)
   np.testing.assert_allclose(ga.sgp_params(s)["w"], np.broadcast_to(x0["w"].mean(0), (n, D)), atol=1e-6)
 
@@ -387,7 +390,8 @@ def test_sgp_on_the_plans_matches_the_dense_rule(tau):
   slow[:, 2] = 2.5
   c = ga.cluster(n, jitter=0.4, latency=0.7)
   x0 = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))}
-  sim = ga.sgp_bounded_staleness(loss_fn, data, c, topo, 0.05, 4, tau=tau, link_slowdown=slow)
+  sim = ga.sgp_bounded_staleness(loss_fn, data, c, topo, learning_rate=0.05, batch_size=4, tau=tau,
+                                   link_slowdown=slow)
   state = sim.run(sim.init(x0, jax.random.key(5)), steps)
   z, w, start, waited, late = sgp_dense_reference(loss_fn, data, c, topo, 0.05, 4, tau, 0.7 * slow, x0,
                                                   jax.random.key(5), steps)
@@ -402,7 +406,8 @@ def test_sgp_step_is_linear_in_n():
   n = 65536
   data, loss_fn, _ = least_squares_problem(n, m=1)
   sim = ga.sgp_bounded_staleness(loss_fn, data, ga.cluster(n, jitter=0.3, latency=0.5),
-                                 gj.topology.one_peer_directed_exponential(n), 0.05, 1, tau=2)
+                                 gj.topology.one_peer_directed_exponential(n), learning_rate=0.05, batch_size=1,
+                                 tau=2)
   t0 = time.perf_counter()
   state = jax.block_until_ready(sim.run(sim.init(stacked(n), jax.random.key(0)), 5))
   assert time.perf_counter() - t0 < 30.0

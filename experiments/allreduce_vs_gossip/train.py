@@ -76,7 +76,7 @@ def make_simulator(config, method: str, problem):
   cluster = ga.cluster(config.num_nodes, jitter=config.jitter)
   topo = getattr(gj.topology, config.topology)(config.num_nodes)
   if method == "ad-psgd":
-    return ga.adpsgd(loss_fn, data, cluster, config.learning_rate, config.batch_size, topology=topo)
+    return ga.adpsgd(loss_fn, data, cluster, topo, learning_rate=config.learning_rate, batch_size=config.batch_size)
   if method == "allreduce":
     tx = gj.allreduce_sgd(learning_rate=config.learning_rate)
   elif method == "d-psgd":

@@ -74,8 +74,8 @@ def _metrics(ds, loss_fn, accuracy, params) -> dict[str, float]:
 
 def run_adpsgd(config, slowdown, problem, key) -> tuple[dict[str, Any], Any]:
   ds, data, loss_fn, accuracy, params = problem
-  sim = ga.adpsgd(loss_fn, data, _cluster(config, slowdown, params), config.learning_rate, config.batch_size,
-                  model_bytes=_model_bytes(params))
+  sim = ga.adpsgd(loss_fn, data, _cluster(config, slowdown, params), learning_rate=config.learning_rate,
+                  batch_size=config.batch_size, model_bytes=_model_bytes(params))
   total = int(math.ceil(config.epochs * len(ds.y_train) / config.batch_size))
   state = sim.init(params, key)
   chunk = min(config.events_per_chunk, total)

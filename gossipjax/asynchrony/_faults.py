@@ -34,8 +34,11 @@ class Faults(NamedTuple):
   """Down intervals and a message-loss probability (a pytree of arrays).
 
   Attributes:
-    node: int32 (m,), the node of each down interval.
-    start, end: float (m,), the node is down for simulated times in ``[start, end)``.
+    node: int32 (m,), the node of each down interval (a last sentinel interval on node -1
+      keeps the arrays non-empty).
+    start: float (m,), when each interval begins: the node is down for simulated times in
+      ``[start, end)``.
+    end: float (m,), when each interval ends (the node is up again at ``end``).
     loss_prob: probability that any one message (or pair exchange) is lost.
   """
 
@@ -47,6 +50,17 @@ class Faults(NamedTuple):
 
 def faults(down: Sequence[tuple[int, float, float]] = (), loss_prob: float = 0.0) -> Faults:
   """Builds a `Faults` from ``(node, start, end)`` down intervals and a loss probability.
+
+  Args:
+    down: ``(node, start, end)`` triples: node is down for simulated times in
+      ``[start, end)``. A node may have several intervals.
+    loss_prob: probability in [0, 1) that any one message (or pair exchange) is lost.
+
+  Returns:
+    A `Faults`, to pass to `adpsgd`, `synchronous` or `is_up`.
+
+  Raises:
+    ValueError: ``loss_prob`` is outside [0, 1), or an interval ends before it starts.
 
   Example:
     >>> import gossipjax as gj
@@ -67,7 +81,22 @@ def faults(down: Sequence[tuple[int, float, float]] = (), loss_prob: float = 0.0
 
 
 def is_up(f: Faults, t: jax.Array, num_nodes: int) -> jax.Array:
-  """bool (n,): which nodes are up at simulated time ``t`` (O(n + outages))."""
+  """bool (n,): which nodes are up at simulated time ``t`` (O(n + outages)).
+
+  Args:
+    f: the faults.
+    t: a simulated time (traced or not).
+    num_nodes: n.
+
+  Returns:
+    A bool (n,) array, False for the nodes inside one of their down intervals at ``t``.
+
+  Example:
+    >>> import gossipjax as gj
+    >>> f = gj.asynchrony.faults(down=[(1, 0.0, 5.0), (2, 3.0, 4.0)])
+    >>> gj.asynchrony.is_up(f, 3.5, 3).tolist(), gj.asynchrony.is_up(f, 5.0, 3).tolist()
+    ([True, False, False], [True, True, True])
+  """
   down = (f.start <= t) & (t < f.end)
   where = jnp.where(down & (f.node >= 0), f.node, num_nodes)  # num_nodes: out of range, dropped
   return ~jnp.zeros(num_nodes, bool).at[where].set(True, mode="drop")
@@ -86,6 +115,24 @@ def delivered_edges(f: Faults, key: jax.Array, dst: jax.Array, src: jax.Array, s
   over a sparse graph draws one number per edge, and the same link gets the same draw
   wherever it is asked for (`delivered_mask` is this function on every pair). With
   ``symmetric`` both directions of a link share one draw: they are lost together.
+
+  Args:
+    f: the faults (only ``loss_prob`` is read).
+    key: the round's PRNG key.
+    dst: int receivers, any shape.
+    src: int senders, broadcastable against ``dst``.
+    symmetric: whether the two directions of a link share one draw.
+
+  Returns:
+    A bool array of the broadcast shape of ``dst`` and ``src``; always True where
+    ``dst == src`` (a node's own share is never lost).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, gossipjax as gj
+    >>> f = gj.asynchrony.faults(loss_prob=0.5)
+    >>> ok = gj.asynchrony.delivered_edges(f, jax.random.key(0), jnp.array([0, 1, 2]), jnp.array([1, 0, 2]))
+    >>> bool(ok[0] == ok[1]), bool(ok[2])  # 1 -> 0 and 0 -> 1 share a draw; 2 -> 2 is kept
+    (True, True)
   """
   return _delivered(key, f.loss_prob, dst, src, symmetric)
 
@@ -103,17 +150,58 @@ def delivered_mask(f: Faults, key: jax.Array, num_nodes: int, symmetric: bool = 
   """bool (n, n): entry ``[i, j]`` says j's message to i got through this round.
 
   The dense view of `delivered_edges` (n^2 draws): for analysis and tests at small n.
+
+  Args:
+    f: the faults (only ``loss_prob`` is read).
+    key: the round's PRNG key.
+    num_nodes: n.
+    symmetric: whether the two directions of a link share one draw.
+
+  Returns:
+    A bool (n, n) array with a True diagonal; symmetric when ``symmetric`` is.
+
+  Example:
+    >>> import jax, gossipjax as gj
+    >>> f = gj.asynchrony.faults(loss_prob=0.5)
+    >>> mask = gj.asynchrony.delivered_mask(f, jax.random.key(0), 4)
+    >>> bool((mask == mask.T).all()), bool(mask.diagonal().all())
+    (True, True)
   """
   nodes = jnp.arange(num_nodes)
   return delivered_edges(f, key, nodes[:, None], nodes[None, :], symmetric)
 
 
 def renormalize(w: jax.Array, up: jax.Array, delivered: jax.Array | None = None) -> jax.Array:
-  """``W'``: drops the entries of down nodes and lost messages, and gives each row's lost
-  weight back to its diagonal (rows still sum to one; a down node's row is the identity).
+  r"""``W'``: the mixing matrix without down nodes and lost messages, rows renormalized.
+
+  Drops the entries of down nodes and lost messages, and gives each row's lost weight back
+  to its diagonal (rows still sum to one; a down node's row is the identity).
 
   Dense, for analysis and as the reference of `faulty_mix`, which applies the same W' on
-  the sparse plans.
+  the sparse plans:
+
+  .. math::
+    W'_{ij} = W_{ij}\, \mathrm{up}_i\, \mathrm{up}_j\, \mathrm{delivered}_{ij} \ (i \ne j),
+    \qquad W'_{ii} = 1 - \sum_{j \ne i} W'_{ij}.
+
+  Args:
+    w: the (n, n) mixing matrix (rows receive).
+    up: bool (n,), which nodes are up.
+    delivered: bool (n, n), ``[i, j]``: j's message to i got through (`delivered_mask`);
+      ``None``: every message of the live nodes does.
+
+  Returns:
+    ``W'`` (n, n), row stochastic.
+
+  Example:
+    Node 2 of three fully connected nodes is down:
+
+    >>> import jax.numpy as jnp, numpy as np, gossipjax as gj
+    >>> w = jnp.full((3, 3), 1 / 3)
+    >>> print(np.round(np.asarray(gj.asynchrony.renormalize(w, jnp.array([True, True, False]))), 3))
+    [[0.667 0.333 0.   ]
+     [0.333 0.667 0.   ]
+     [0.    0.    1.   ]]
   """
   n = w.shape[0]
   keep = (up[:, None] & up[None, :]) & ~jnp.eye(n, dtype=bool)
@@ -140,6 +228,20 @@ def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
 
   Args:
     topology: a ``gj.topology`` (or a matrix / networkx graph), possibly time-varying.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` needs ``params`` and
+    takes ``up``, ``delivered``, ``loss_key`` and ``loss_prob`` as keyword arguments.
+
+  Example:
+    Node 2 is down: its update is dropped and the other two mix without it.
+
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.asynchrony.faulty_mix(jnp.full((3, 3), 1 / 3))
+    >>> x = jnp.array([[0.0], [3.0], [6.0]])
+    >>> u, _ = tx.update(jnp.ones_like(x), tx.init(x), x, up=jnp.array([True, True, False]))
+    >>> [round(float(v), 4) for v in (x + u)[:, 0]]
+    [2.0, 3.0, 6.0]
   """
   table = plan_table(topology)
   period, num_rounds, n = table.src.shape

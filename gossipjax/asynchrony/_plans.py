@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import scipy.sparse as sp
 
-from gossipjax.topology import as_topology
+from gossipjax.topology import MAX_DENSE_NODES, as_topology
 
 
 class PlanTable(NamedTuple):
@@ -32,7 +32,21 @@ class PlanTable(NamedTuple):
 
 
 def plan_table(topology: Any) -> PlanTable:
-  plans = as_topology(topology).plans()
+  """Stacks the plans of one period; rank-one terms (a star's hub, ``complete``) become exchange rounds.
+
+  The simulators read W edge by edge (a message per edge, a loss per link), so a hub's
+  rank-one term is listed as its edges: fine for a star or a complete graph up to
+  ``MAX_DENSE_NODES`` nodes, refused past it with a ``ValueError`` that names the topology.
+  """
+  topo = as_topology(topology)
+  try:
+    plans = [p.expanded(topo.name) for p in topo.plans()]
+  except ValueError as e:
+    raise ValueError(
+        f"{topo.name}: the asynchronous and fault simulators send one message per edge, and this topology's "
+        f"rank-one terms (a hub talking to every node, or exact averaging) stand for too many edges at "
+        f"n = {topo.num_nodes}. Use a sparse graph at this size (ring, torus, exponential, one_peer_exponential), "
+        f"or build the star / complete graph with at most {MAX_DENSE_NODES} nodes ({e})") from e
   n, rounds = plans[0].num_nodes, max(len(p.rounds) for p in plans)
   src = np.tile(np.arange(n, dtype=np.int32), (len(plans), rounds, 1))
   weight = np.zeros((len(plans), rounds, n))

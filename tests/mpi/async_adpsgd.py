@@ -30,11 +30,11 @@ def sleeper(grad):
 
 # Phase 1: conservation of the sum under concurrent pair averages.
 x0 = np.random.default_rng(rank).normal(size=D) + 10.0 * rank
-r1 = mpi_adpsgd(sleeper(lambda x: np.ones_like(x)), x0, 0.0, time_budget=1.0, seed=1)
+r1 = mpi_adpsgd(sleeper(lambda x: np.ones_like(x)), x0, learning_rate=0.0, time_budget=1.0, seed=1)
 
 # Phase 2: f_i(x) = 0.5 ||x - b_i||^2, minimized on average at mean(b).
 b = np.random.default_rng(100 + rank).normal(size=D) * 3.0
-r2 = mpi_adpsgd(sleeper(lambda x: x - b), np.zeros(D), 0.05, time_budget=2.0, seed=2)
+r2 = mpi_adpsgd(sleeper(lambda x: x - b), np.zeros(D), learning_rate=0.05, time_budget=2.0, seed=2)
 
 out = comm.gather(dict(x0=x0.tolist(), p1=r1.params.tolist(), s1=r1.steps, b=b.tolist(),
                        p2=r2.params.tolist(), s2=r2.steps, w2=r2.wall_time), root=0)
