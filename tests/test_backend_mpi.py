@@ -66,3 +66,12 @@ def test_mpi_backend_without_mpi4jax_says_how_to_install(monkeypatch):
   monkeypatch.setitem(sys.modules, "mpi4jax", None)  # makes `import mpi4jax` raise ImportError
   with pytest.raises(ImportError, match=r"make install-mpi.*CUDA_PATH"):
     gj.backend.mpi()
+
+
+@pytest.mark.mpi
+def test_mpi_star_and_complete_mix_with_one_allreduce():
+  """Rank-one terms under ``mpiexec -n 4``: W x on every rank's block, at 16 and at 65,536 nodes."""
+  res = launch(HERE / "mpi" / "check_rank_one.py", RANKS, timeout=180)
+  assert res.returncode == 0, res.stdout[-4000:]
+  ok = re.findall(rf"^rank (\d+)/{RANKS}: OK", res.stdout, flags=re.MULTILINE)
+  assert sorted(map(int, ok)) == list(range(RANKS)), res.stdout[-4000:]

@@ -77,3 +77,11 @@ def test_pmapped_local_nodes_and_errors():
   tx = gj.mix(T.ring(16), backend=be)
   with pytest.raises(ValueError, match="expects 2 nodes"):
     jax.pmap(lambda x: tx.update(x, tx.init(x), x), axis_name="nodes")(np.ones((K, 3, 2)))
+
+
+@pytest.mark.parametrize("topo", [T.star(16, "metropolis"), T.complete(16)], ids=lambda t: t.name)
+def test_rank_one_topologies_mix_as_their_dense_matrix(topo):
+  x = np.random.default_rng(0).normal(size=(16, 3))
+  mixer = gj.backend.pmapped("nodes").mixer(topo)
+  got = jax.pmap(lambda x: mixer.mix(x), axis_name="nodes")(blocks(x))
+  np.testing.assert_allclose(np.asarray(got).reshape(x.shape), topo.matrix() @ x, rtol=0, atol=1e-14)

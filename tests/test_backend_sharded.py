@@ -169,3 +169,23 @@ def test_examples_simulate_sharded_pmapped_print_the_same_numbers():
     assert re.search(rf"\b(on|over) {K} devices", out), out  # the script's own CPU devices, not one
     (got,) = cases.example_numbers(out)
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+RANK_ONE = [T.star(16), T.star(16, "metropolis"), T.complete(16), T.complete(8)]
+
+
+@pytest.mark.parametrize("topo", RANK_ONE, ids=lambda t: f"{t.name}-{t.plans()[0].self_weight[-1]:.3f}")
+def test_rank_one_topologies_mix_as_their_dense_matrix(backend, topo):
+  """Star and complete are rank-one terms: one psum each step, the same numbers as W @ x."""
+  x = np.random.default_rng(0).normal(size=(topo.num_nodes, 3))
+  mixer = backend.mixer(topo)
+  got = jax.jit(lambda x: mixer.mix(x))(backend.shard(x))
+  np.testing.assert_allclose(got, topo.matrix() @ x, rtol=0, atol=1e-14)
+  sim = gj.backend.simulate().mixer(topo).mix(jnp.asarray(x))
+  np.testing.assert_allclose(sim, topo.matrix() @ x, rtol=0, atol=1e-14)
+  ops = _collectives(jax.jit(lambda x: mixer.mix(x)).lower(backend.shard(x)).compile().as_text())
+  assert ops == {"all-reduce": 1}, ops  # no exchange round per leaf: one all-reduce for all terms
+  if np.allclose(topo.matrix().sum(axis=0), 1):  # gossip_sgd needs a doubly stochastic W (not a uniform star)
+    x0, a, b = cases.problem(topo.num_nodes)
+    got = _sharded_trajectory("gossip_sgd", topo, backend, x0, a, b)
+    np.testing.assert_allclose(got, cases.reference("gossip_sgd", topo, x0, a, b), rtol=0, atol=1e-12)

@@ -11,6 +11,10 @@ and the data a device sends is O(degree * B * d), never an all-gather.
 The receiver then rebuilds each node-level round from its own block and the received
 buffers, and sums ``self_weight * x + sum_r weight_r * received_r`` in the same order as
 the simulator, so the numbers match it to round-off.
+
+A rank-one term ``u v^T`` of the plan (a star's hub, exact averaging) is no exchange: each
+device sums ``v_j x_j`` over its own nodes, one all-reduce (``psum``, an MPI allreduce) of
+that (1, ...) partial sum gives ``v^T x`` everywhere, and each node adds ``u_i v^T x``.
 """
 
 from __future__ import annotations
@@ -57,6 +61,14 @@ class BlockRound:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class BlockRankOne:
+  """A rank-one term ``u v^T`` split into the devices' blocks: ``u`` and ``v`` of shape (K, B)."""
+
+  u: np.ndarray
+  v: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class BlockPlan:
   """A ``MixingPlan`` for K devices with B nodes each."""
 
@@ -65,6 +77,7 @@ class BlockPlan:
   self_weight: np.ndarray  # (K, B)
   exchanges: tuple[Exchange, ...]
   rounds: tuple[BlockRound, ...]
+  rank_one: tuple[BlockRankOne, ...] = ()
 
 
 def check_divisible(topology: Topology, num_devices: int, where: str) -> int:
@@ -112,7 +125,8 @@ def compile_plan(plan: MixingPlan, num_devices: int) -> BlockPlan:
       buffer[d, i % b], row[d, i % b] = slot[(off, j // b, j % b)] if off else (0, j % b)
       weight[d, i % b] = r.weight[i]
     rounds.append(BlockRound(buffer, row, weight))
-  return BlockPlan(k, b, plan.self_weight.reshape(k, b).copy(), tuple(exchanges), tuple(rounds))
+  rank_one = tuple(BlockRankOne(t.u.reshape(k, b).copy(), t.v.reshape(k, b).copy()) for t in plan.rank_one)
+  return BlockPlan(k, b, plan.self_weight.reshape(k, b).copy(), tuple(exchanges), tuple(rounds), rank_one)
 
 
 def compile_topology(topology: Topology, num_devices: int) -> tuple[BlockPlan, ...]:
@@ -121,6 +135,8 @@ def compile_topology(topology: Topology, num_devices: int) -> tuple[BlockPlan, .
 
 # An exchange function: (exchange, rows this device sends or None) -> rows received or None.
 ExchangeFn = Callable[[Exchange, "jax.Array | None", Any], "jax.Array | None"]
+# A reduce function: this device's partial sums (k, ...) -> the sums over every device (all-reduce).
+ReduceFn = Callable[[jax.Array], jax.Array]
 
 
 def _row(table: np.ndarray, device: Any) -> np.ndarray | jax.Array:
@@ -161,7 +177,19 @@ def _assemble(bufs: Sequence[jax.Array | None], buffer: Any, row: Any) -> jax.Ar
   return jnp.take(jnp.concatenate(bufs, axis=0), flat, axis=0)
 
 
-def apply_block_plan(plan: BlockPlan, x: jax.Array, device: Any, exchange: ExchangeFn) -> jax.Array:
+def _partial_sum(v: np.ndarray | jax.Array, x: jax.Array) -> jax.Array:
+  """``sum_j v[j] x[j]`` over this device's block, shape (...)."""
+  if isinstance(v, np.ndarray):
+    if np.all(v == v[0]):
+      return float(v[0]) * jnp.sum(x, axis=0)
+    nz = np.flatnonzero(v)
+    if len(nz) == 1:
+      return float(v[nz[0]]) * x[int(nz[0])]
+  return jnp.tensordot(jnp.asarray(v, x.dtype), x, axes=1)
+
+
+def apply_block_plan(plan: BlockPlan, x: jax.Array, device: Any, exchange: ExchangeFn,
+                     reduce: ReduceFn | None = None) -> jax.Array:
   """``(W x)`` for this device's block ``x`` (B, ...).
 
   Args:
@@ -170,6 +198,8 @@ def apply_block_plan(plan: BlockPlan, x: jax.Array, device: Any, exchange: Excha
     device: this device's index, a Python int (MPI: the rank) or a traced scalar
       (``lax.axis_index`` under ``shard_map`` / ``pmap``).
     exchange: does the communication of one exchange (ppermute or sendrecv).
+    reduce: sums a (k, ...) array over the devices (psum or an MPI allreduce); needed
+      when the plan has rank-one terms, one call for all of them.
   """
   bufs: list[jax.Array | None] = [x]
   for ex in plan.exchanges:
@@ -185,12 +215,19 @@ def apply_block_plan(plan: BlockPlan, x: jax.Array, device: Any, exchange: Excha
   for r in plan.rounds:
     received = _assemble(bufs, _row(r.buffer, device), _row(r.row, device))
     out = out + _weight(_row(r.weight, device), acc) * received.astype(acc.dtype)
+  if plan.rank_one:
+    if reduce is None:
+      raise ValueError("this backend cannot apply rank-one terms (it has no all-reduce)")
+    totals = reduce(jnp.stack([_partial_sum(_row(t.v, device), acc) for t in plan.rank_one]))
+    for k, t in enumerate(plan.rank_one):
+      out = out + _weight(_row(t.u, device), acc) * totals[k][None]
   return out if acc.dtype == x.dtype else out.astype(x.dtype)
 
 
-def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, exchange: ExchangeFn) -> Any:
+def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, exchange: ExchangeFn,
+               reduce: ReduceFn | None = None) -> Any:
   """Applies W(step) to every leaf of a tree of local blocks; ``lax.switch`` over a traced step."""
-  apply = lambda p: (lambda t: jax.tree.map(lambda x: apply_block_plan(p, x, device, exchange), t))
+  apply = lambda p: (lambda t: jax.tree.map(lambda x: apply_block_plan(p, x, device, exchange, reduce), t))
   if len(plans) == 1:
     return apply(plans[0])(tree)
   if isinstance(step, (int, np.integer)):

@@ -98,7 +98,10 @@ class MpiMixer:
       )
       return received if recv_rows else None
 
-    return mix_blocks(self.plans, tree, step, rank, exchange)
+    def reduce(partial: jax.Array) -> jax.Array:
+      return mpi4jax.allreduce(partial, op=MPI.SUM, comm=comm)
+
+    return mix_blocks(self.plans, tree, step, rank, exchange, reduce)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,6 +140,7 @@ class Mpi:
     from gossipjax.backend._mpi_fault import check_same_topology
 
     check_same_topology(self.comm, topology)  # before any rank can raise alone, leaving the others waiting
+    _check_same_rank_one_terms(self.comm, topology)
     check_divisible(topology, self.size, "MPI ranks")
     return MpiMixer(topology, self.comm, self.rank, self.size, compile_topology(topology, self.size))
 
@@ -164,6 +168,23 @@ class Mpi:
     where = f"gj.backend.mpi().map on rank {self.rank}"
     expected = None if num_nodes is None else self.local_nodes(num_nodes)
     return vmap_nodes(fn, in_axes, expected, where)
+
+
+def _check_same_rank_one_terms(comm: Any, topology: Topology) -> None:
+  """Raises ``ValueError`` on every rank unless all ranks' full fingerprints (rank-one terms included) agree.
+
+  ``check_same_topology`` compares self weights and exchange rounds; a plan's rank-one terms
+  (a star's hub, exact averaging) are compared here, through ``Topology.fingerprint``. A
+  collective, called on every rank whatever its topology, so no rank waits alone.
+  """
+  if comm.Get_size() == 1:
+    return
+  everyone = comm.allgather(topology.fingerprint())
+  if len(set(everyone)) > 1:
+    differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
+    raise ValueError(f"the MPI ranks built different topologies for one mixer: {topology.name} on rank 0 and "
+                     f"ranks {differ} differ in their rank-one terms (u v^T). Their all-reduces would mix "
+                     "different weights: build the same topology on every rank")
 
 
 def mpi(comm: Any = None, *, abort_on_error: bool = False) -> Mpi:

@@ -44,7 +44,7 @@ class PmappedMixer:
       del x
       return lax.ppermute(send, axis, perm=ex.pairs)
 
-    return mix_blocks(self.plans, tree, step, lax.axis_index(axis), exchange)
+    return mix_blocks(self.plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis))
 
 
 @dataclasses.dataclass(frozen=True)

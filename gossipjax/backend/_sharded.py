@@ -48,7 +48,7 @@ class ShardedMixer:
       return lax.ppermute(send, axis, perm=ex.pairs)
 
     def body(tree, step):
-      return mix_blocks(plans, tree, step, lax.axis_index(axis), exchange)
+      return mix_blocks(plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis))
 
     specs = jax.tree.map(lambda _: P(axis), tree)
     if len(plans) == 1 or isinstance(step, (int, np.integer)):

@@ -23,7 +23,7 @@ def _weight(w: np.ndarray, like: jax.Array) -> Any:
 
 
 def apply_plan(plan: MixingPlan, x: jax.Array) -> jax.Array:
-  """``W x`` for one leaf with all n nodes on axis 0, in O(degree * n * d).
+  """``W x`` for one leaf with all n nodes on axis 0, in O((degree + rank-one terms) * n * d).
 
   16-bit floats are summed in float32 and rounded once (see `accumulation_dtype`).
   """
@@ -35,7 +35,29 @@ def apply_plan(plan: MixingPlan, x: jax.Array) -> jax.Array:
     else:
       received = jnp.take(x, jnp.asarray(r.src), axis=0)
     out = out + _weight(r.weight, x) * received
+  for t in plan.rank_one:
+    out = out + scale_rows(t.u, weighted_sum(t.v, x), x)
   return out if x.dtype == leaf_dtype else out.astype(leaf_dtype)
+
+
+def weighted_sum(v: np.ndarray, x: jax.Array) -> jax.Array:
+  """``sum_j v[j] x[j]`` over the node axis, shape (1, ...): a plain sum where v is constant, else one row or a dot."""
+  if np.all(v == v[0]):
+    return float(v[0]) * jnp.sum(x, axis=0, keepdims=True)
+  nz = np.flatnonzero(v)
+  if len(nz) == 1:  # a hub's column: one node's row
+    return float(v[nz[0]]) * x[int(nz[0]):int(nz[0]) + 1]
+  return jnp.tensordot(jnp.asarray(v, x.dtype), x, axes=1)[None]
+
+
+def scale_rows(u: np.ndarray, total: jax.Array, like: jax.Array) -> jax.Array:
+  """``u[i] * total`` for every node i, as an (n, ...) array shaped like ``like``."""
+  if np.all(u == u[0]):
+    return jnp.broadcast_to(float(u[0]) * total, like.shape)
+  nz = np.flatnonzero(u)
+  if len(nz) == 1:  # a hub's row: only the hub receives
+    return jnp.zeros_like(like).at[int(nz[0])].set(float(u[nz[0]]) * total[0])
+  return _weight(u, like) * total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +79,7 @@ class SimulateMixer:
     if isinstance(step, (int, np.integer)):
       return apply(plans[int(step) % len(plans)])(tree)
     # The step is traced: one compiled program serves every step of the period.
-    if len(plans) <= _MAX_SWITCH_BRANCHES:
+    if len(plans) <= _MAX_SWITCH_BRANCHES or any(p.rank_one for p in plans):
       return lax.switch(jnp.asarray(step) % len(plans), [apply(p) for p in plans], tree)
     # A long period (e.g. a pool of random matchings) compiles one branch per step under
     # lax.switch; a gather from a (period, rounds, n) table compiles once.

@@ -1,6 +1,7 @@
 """Communication graphs and their mixing matrices W (rows receive: x_i <- sum_j W[i, j] x_j).
 
-A topology is stored as its sparse plans (self weights plus exchange rounds, O(n * degree));
+A topology is stored as its sparse plans (self weights, exchange rounds and, for hubs and exact
+averaging, rank-one terms u v^T; O(n * degree));
 ``Topology.sparse(step)`` gives W as a ``scipy.sparse`` matrix and ``Topology.matrix(step)``
 as a dense one, up to ``MAX_DENSE_NODES`` nodes.
 """
@@ -26,13 +27,14 @@ from gossipjax.topology._families import (
     torus,
     weights_from_adjacency,
 )
-from gossipjax.topology._plan import MAX_DENSE_NODES, MixingPlan, Round
+from gossipjax.topology._plan import MAX_DENSE_NODES, MixingPlan, RankOne, Round
 from gossipjax.topology._spectral import rho, spectral_gap
 from gossipjax.topology._topology import Topology, is_strongly_connected
 
 __all__ = (
     "MAX_DENSE_NODES",
     "MixingPlan",
+    "RankOne",
     "Round",
     "Topology",
     "as_topology",

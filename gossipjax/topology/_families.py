@@ -12,7 +12,14 @@ from typing import Any, Literal
 import numpy as np
 import scipy.sparse as sp
 
-from gossipjax.topology._plan import MAX_DENSE_NODES, check_degree, circulant_plan, plan_from_edges
+from gossipjax.topology._plan import (
+    MAX_DENSE_NODES,
+    MixingPlan,
+    check_degree,
+    circulant_plan,
+    make_rank_one,
+    plan_from_edges,
+)
 from gossipjax.topology._topology import Topology, is_strongly_connected
 
 Weights = Literal["uniform", "metropolis"]
@@ -133,24 +140,50 @@ def torus(rows: int, cols: int, weights: Weights = "uniform") -> Topology:
 def star(n: int, weights: Weights = "uniform") -> Topology:
   """Node 0 is the hub; irregular, so pass ``weights="metropolis"`` for a doubly stochastic W.
 
-  The hub receives from every node, one exchange round each, so the plan holds n - 1
-  rounds of n entries: stars are built up to ``MAX_DENSE_NODES`` nodes.
+  The plan is ``W = diag(s) + e_0 a^T + b e_0^T``: self weights and two rank-one terms, the
+  hub's row ``a`` (a weighted reduction into the hub) and its column ``b`` (a broadcast from
+  it, scaled per leaf). Exchange rounds would need n - 1 of them, one per leaf; the rank-one
+  form is O(n) and every backend applies it with one reduction, so a star of a million
+  nodes builds and mixes.
+
+  Example:
+    >>> from gossipjax import topology as T
+    >>> len(T.star(2**16).plans()[0].rank_one), T.star(5).matrix()[0].round(2).tolist()
+    (2, [0.2, 0.2, 0.2, 0.2, 0.2])
   """
   n = _check_n(n, "star")
   leaves = np.arange(1, n)
   hub = np.zeros(n - 1, np.int64)
-  return _from_edges(n, np.concatenate([hub, leaves]), np.concatenate([leaves, hub]), f"star({n})", weights)
+  dst, src, w, self_w = _edge_weights(n, np.concatenate([hub, leaves]), np.concatenate([leaves, hub]), weights)
+  into_hub = dst == 0
+  row, column = np.zeros(n), np.zeros(n)
+  row[src[into_hub]] = w[into_hub]
+  column[dst[~into_hub]] = w[~into_hub]
+  hub_vector = np.zeros(n)
+  hub_vector[0] = 1.0
+  terms = (make_rank_one(hub_vector, row), make_rank_one(column, hub_vector)) if n > 1 else ()
+  self_w.setflags(write=False)
+  return Topology.from_plans(MixingPlan(self_weight=self_w, rounds=(), rank_one=terms), name=f"star({n})")
 
 
 def complete(n: int) -> Topology:
   """Every node averages with every node: W = 11^T / n (exact averaging in one step).
 
-  As a plan this is n - 1 shifts of n entries, so it is built up to ``MAX_DENSE_NODES``
-  nodes; past that an all-reduce mean is the way to average exactly.
+  The plan is one rank-one term (``u = 1``, ``v = 1/n``): an all-reduce mean on every
+  backend, O(n * d) however large n is, where exchange rounds would need n - 1 shifts.
+
+  Example:
+    >>> from gossipjax import topology as T
+    >>> T.rho(T.complete(2**16)), T.complete(2**16).check("doubly").max_degree()
+    (0.0, 65535)
   """
   n = _check_n(n, "complete")
-  return Topology.from_plans(circulant_plan(n, range(1, n), 1.0 / n, 1.0 / n, f"complete({n})"),
-                             name=f"complete({n})")
+  if n == 1:
+    return Topology.from_plans(MixingPlan(self_weight=np.ones(1), rounds=()), name="complete(1)")
+  term = make_rank_one(np.ones(n), np.full(n, 1.0 / n))
+  self_w = np.zeros(n)
+  self_w.setflags(write=False)
+  return Topology.from_plans(MixingPlan(self_weight=self_w, rounds=(), rank_one=(term,)), name=f"complete({n})")
 
 
 def _exponential_peers(n: int) -> list[int]:
@@ -158,11 +191,16 @@ def _exponential_peers(n: int) -> list[int]:
 
 
 def exponential(n: int, symmetric: bool = False) -> Topology:
-  """Static exponential graph (Ying et al. 2021; BlueFog's default).
+  """Static exponential graph (Ying et al. 2021).
 
   Directed (default): node i receives from ``(i + 2^k) mod n`` for every ``2^k < n``, each
   of these ``ceil(log2 n)`` peers and the node itself weighted ``1 / (1 + number of peers)``.
   It is circulant, hence doubly stochastic; for n a power of 2, ``rho = 1 - 2 / (1 + log2 n)``.
+
+  The edges run the other way from BlueFog's ``ExponentialTwoGraph``, where node i receives
+  from ``(i - 2^k) mod n``: node 0 of 8 receives from {1, 2, 4} here and from {4, 6, 7} in
+  BlueFog. The two graphs are transposes, with the same spectrum and ``rho``; BlueFog's
+  orientation is `directed_exponential` (the same W, every edge reversed).
 
   ``symmetric=True`` gives the undirected variant (i talks to ``i +- 2^k``), for methods
   that need a symmetric W such as DecentLaM and exact diffusion.

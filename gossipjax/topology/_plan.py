@@ -1,7 +1,11 @@
-"""The sparse form of a mixing matrix: self weights plus partial-permutation rounds.
+"""The sparse form of a mixing matrix: self weights, partial-permutation rounds and rank-one terms.
 
 Every topology is stored in this form and every family builds it directly, in
-O(n * degree) memory and time; the dense n x n matrix is only ever a view.
+O(n * degree) memory and time; the dense n x n matrix is only ever a view. A node of
+degree close to n (the hub of a star, every node of the complete graph) would need about
+n rounds of n entries; such rows and columns are held as rank-one terms ``u v^T`` instead,
+which every backend applies as one reduction over the node axis (``sum``, ``psum``, an MPI
+all-reduce) and a per-node scale: O(n) memory and O(n * d) work per term.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import scipy.sparse as sp
 # Past this many nodes a dense n x n float64 matrix (512 MiB at 8,192) is refused: it is a
 # view for analysis and tests, and the sparse form holds the same numbers in O(n * degree).
 MAX_DENSE_NODES = 8192
+# Past this many entries the rank-one terms of a plan are not listed (as many as the largest dense W holds).
+MAX_LISTED_ENTRIES = MAX_DENSE_NODES**2
 
 
 def check_dense_size(n: int, what: str, count: int = 1) -> None:
@@ -25,6 +31,17 @@ def check_dense_size(n: int, what: str, count: int = 1) -> None:
         f"{'matrix' if count == 1 else 'matrices'} would take {count * n * n * 8 / 2**30:.1f} GiB; "
         f"dense mixing matrices are built only up to n = {MAX_DENSE_NODES} nodes. Use the sparse form: "
         "topology.sparse(step) (a scipy.sparse CSR matrix) or topology.plans() (self weights and exchange rounds)"
+    )
+
+
+def check_entry_count(count: int, what: str) -> None:
+  """Refuses to list more than ``MAX_DENSE_NODES ** 2`` matrix entries (as many as the largest dense W holds)."""
+  if count > MAX_LISTED_ENTRIES:
+    raise ValueError(
+        f"{what}: the rank-one terms of this plan stand for {count:,} matrix entries "
+        f"({count * 24 / 2**30:.1f} GiB as a sparse matrix); entry lists are built only up to "
+        f"{MAX_DENSE_NODES}**2 entries, like dense matrices. The plan itself (topology.plans(): self weights, "
+        "exchange rounds and rank-one terms u v^T) holds W in O(n), and check(), rho() and every backend use it"
     )
 
 
@@ -66,42 +83,125 @@ class Round:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class RankOne:
+  """A rank-one term ``u v^T`` of a plan: node i receives ``u[i] * sum_j v[j] x[j]``.
+
+  Applying it is one weighted reduction over the node axis and a per-node scale, so a
+  hub's row (``u = e_hub``), a hub's column (``v = e_hub``) or exact averaging
+  (``u = 1``, ``v = 1/n``) costs O(n * d), not one exchange round per neighbour.
+
+  Attributes:
+    u: float array (n,), the receivers' scales (non-negative).
+    v: float array (n,), the senders' weights (non-negative).
+  """
+
+  u: np.ndarray
+  v: np.ndarray
+
+  @property
+  def is_constant(self) -> bool:
+    """True when ``u v^T`` has the same value everywhere (a multiple of 11^T, as in exact averaging)."""
+    return bool(np.all(self.u == self.u[0]) and np.all(self.v == self.v[0]) and self.u[0] * self.v[0] != 0)
+
+  def entry_count(self) -> int:
+    """How many non-zero entries ``u v^T`` has."""
+    return int(np.count_nonzero(self.u)) * int(np.count_nonzero(self.v))
+
+  def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The non-zero entries of ``u v^T`` as ``(receiver, sender, weight)`` (diagonal included)."""
+    rows, cols = np.flatnonzero(self.u), np.flatnonzero(self.v)
+    dst, src = np.repeat(rows, len(cols)), np.tile(cols, len(rows))
+    return dst, src, self.u[dst] * self.v[src]
+
+
+def make_rank_one(u: np.ndarray, v: np.ndarray) -> RankOne:
+  """A read-only ``RankOne`` term from two length-n vectors."""
+  u, v = np.array(u, np.float64), np.array(v, np.float64)
+  u.setflags(write=False)
+  v.setflags(write=False)
+  return RankOne(u=u, v=v)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class MixingPlan:
-  """``W = diag(self_weight) + sum_c P_c diag(rounds[c].weight)`` for one step."""
+  """``W = diag(self_weight) + sum_c P_c diag(rounds[c].weight) + sum_k rank_one[k].u rank_one[k].v^T``, one step."""
 
   self_weight: np.ndarray
   rounds: tuple[Round, ...]
+  rank_one: tuple[RankOne, ...] = ()
 
   @property
   def num_nodes(self) -> int:
     return self.self_weight.shape[0]
 
-  def edges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The off-diagonal entries as ``(receiver, sender, weight)`` arrays, round by round."""
+  def round_edges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The entries the rounds hold as ``(receiver, sender, weight)`` arrays, round by round."""
     dst = [np.flatnonzero(r.weight) for r in self.rounds]
     return (np.concatenate(dst or [np.zeros(0, np.int64)]),
             np.concatenate([r.src[d] for r, d in zip(self.rounds, dst)] or [np.zeros(0, np.int64)]),
             np.concatenate([r.weight[d] for r, d in zip(self.rounds, dst)] or [np.zeros(0)]))
 
+  def rank_one_entry_count(self) -> int:
+    """How many entries the rank-one terms stand for (n^2 for exact averaging)."""
+    return sum(t.entry_count() for t in self.rank_one)
+
+  def edges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The off-diagonal entries as ``(receiver, sender, weight)`` arrays: rounds first, then rank-one terms.
+
+    Entries of different rank-one terms (or of a term and a round) at the same place come
+    separately. Raises ``ValueError`` when the rank-one terms stand for more than
+    ``MAX_DENSE_NODES ** 2`` entries.
+    """
+    dst, src, w = self.round_edges()
+    if not self.rank_one:
+      return dst, src, w
+    check_entry_count(self.rank_one_entry_count(), "MixingPlan.edges")
+    parts = [t.entries() for t in self.rank_one]
+    off = [d != s for d, s, _ in parts]
+    return (np.concatenate([dst] + [d[o] for (d, _, _), o in zip(parts, off)]),
+            np.concatenate([src] + [s[o] for (_, s, _), o in zip(parts, off)]),
+            np.concatenate([w] + [v[o] for (_, _, v), o in zip(parts, off)]))
+
   def row_sums(self) -> np.ndarray:
     out = self.self_weight.astype(np.float64)
     for r in self.rounds:
       out = out + r.weight
+    for t in self.rank_one:
+      out = out + t.u * np.sum(t.v)
     return out
 
   def column_sums(self) -> np.ndarray:
     out = self.self_weight.astype(np.float64)
     for r in self.rounds:
       out = out + np.bincount(r.src, weights=r.weight, minlength=self.num_nodes)
+    for t in self.rank_one:
+      out = out + t.v * np.sum(t.u)
     return out
 
-  def sparse(self) -> sp.csr_array:
-    """The n x n matrix this plan applies, as a ``scipy.sparse`` CSR array."""
+  def sparse_part(self) -> sp.csr_array:
+    """``diag(self_weight) + sum_c P_c diag(w_c)`` (W without its rank-one terms), as CSR; O(n * degree)."""
     n = self.num_nodes
-    dst, src, w = self.edges()
+    dst, src, w = self.round_edges()
     keep = np.flatnonzero(self.self_weight)
     return sp.csr_array((np.concatenate([self.self_weight[keep], w]),
                          (np.concatenate([keep, dst]), np.concatenate([keep, src]))), shape=(n, n))
+
+  def sparse(self) -> sp.csr_array:
+    """The n x n matrix this plan applies, as a ``scipy.sparse`` CSR array.
+
+    Raises:
+      ValueError: when the rank-one terms stand for more than ``MAX_DENSE_NODES ** 2``
+        entries (``complete(n)`` past 8,192 nodes is dense); the plan holds W in O(n).
+    """
+    if not self.rank_one:
+      return self.sparse_part()
+    n = self.num_nodes
+    check_entry_count(self.rank_one_entry_count(), "MixingPlan.sparse")
+    parts = [self.sparse_part().tocoo()] + [t.entries() for t in self.rank_one]
+    rows = np.concatenate([parts[0].row] + [d for d, _, _ in parts[1:]])
+    cols = np.concatenate([parts[0].col] + [s for _, s, _ in parts[1:]])
+    vals = np.concatenate([parts[0].data] + [v for _, _, v in parts[1:]])
+    return sp.csr_array((vals, (rows, cols)), shape=(n, n))
 
   def dense(self) -> np.ndarray:
     """The n x n matrix this plan applies (for tests and analysis; small n only)."""
@@ -110,7 +210,37 @@ class MixingPlan:
     w = np.diag(self.self_weight).astype(np.float64)
     for r in self.rounds:
       w[np.arange(n), r.src] += r.weight
+    for t in self.rank_one:
+      w += np.outer(t.u, t.v)
     return w
+
+  def matvec(self, x: np.ndarray) -> np.ndarray:
+    """``W x`` for a NumPy array with the nodes on axis 0, in O(n * (degree + rank-one terms)) per column."""
+    out = self.sparse_part() @ x
+    for t in self.rank_one:
+      out = out + np.multiply.outer(t.u, np.tensordot(t.v, x, axes=1))
+    return out
+
+  def expanded(self, what: str = "topology") -> "MixingPlan":
+    """The same W with every rank-one term turned into exchange rounds (for code that only reads rounds).
+
+    A constant term (a multiple of 11^T) becomes one cyclic shift per offset, any other one
+    its edges, edge-coloured. Like every plan, the rounds are refused past
+    ``MAX_DENSE_NODES ** 2`` entries (a hub of degree d needs d rounds of n).
+    """
+    if not self.rank_one:
+      return self
+    n = self.num_nodes
+    if all(t.is_constant for t in self.rank_one) and not self.rounds:
+      c = sum(float(t.u[0] * t.v[0]) for t in self.rank_one)
+      check_degree(n, n - 1, what)
+      nodes = np.arange(n)
+      shifts = tuple(make_round(n, nodes, (nodes + h) % n, np.full(n, c)) for h in range(1, n))
+      self_w = np.array(self.self_weight + c)
+      self_w.setflags(write=False)
+      return MixingPlan(self_weight=self_w, rounds=shifts)
+    check_entry_count(self.rank_one_entry_count(), what)
+    return plan_from_matrix(self.sparse(), what)
 
 
 def make_round(n: int, dst: np.ndarray, src: np.ndarray, weight: np.ndarray) -> Round:
@@ -224,6 +354,9 @@ def plan_from_matrix(w: np.ndarray | sp.sparray | sp.spmatrix, what: str = "topo
 
 
 def reversed_plan(plan: MixingPlan) -> MixingPlan:
-  """The plan of ``W^T``: every edge reversed (the push form of a pull graph)."""
-  dst, src, w = plan.edges()
-  return plan_from_edges(plan.num_nodes, src, dst, w, plan.self_weight)
+  """The plan of ``W^T``: every edge reversed (the push form of a pull graph), ``u`` and ``v`` swapped."""
+  dst, src, w = plan.round_edges()
+  out = plan_from_edges(plan.num_nodes, src, dst, w, plan.self_weight)
+  if not plan.rank_one:
+    return out
+  return dataclasses.replace(out, rank_one=tuple(make_rank_one(t.v, t.u) for t in plan.rank_one))

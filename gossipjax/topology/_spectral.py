@@ -8,7 +8,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.sparse import linalg as sla
 
-from gossipjax.topology._plan import MixingPlan
+from gossipjax.topology._plan import MixingPlan, reversed_plan
 from gossipjax.topology._topology import Topology
 
 # Up to this many nodes rho is the exact dense 2-norm (an SVD, well under a second);
@@ -23,12 +23,16 @@ def rho(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
   ``rho(product_over_period)`` for the per-period rate.
 
   Up to ``EXACT_RHO_NODES`` (1,024) nodes this is the exact dense SVD norm. Past it,
-  W is never made dense: a circulant W (ring, exponential, one-peer exponential and their
-  directed forms) is normal, so its singular values are the magnitudes of the FFT of its
-  first row, exact in O(n log n); any other W is handed to ARPACK's Lanczos solver
-  (``eigsh``) as an operator, on ``W - 11^T/n`` when W is symmetric and on its Gram matrix
-  otherwise (relative tolerance 1e-10). Lanczos needs many iterations where the top of
-  the spectrum is clustered, as on large tori and grids (about 30 s at 65,536 nodes).
+  W is never made dense. A W that commutes with the translations of a cyclic group
+  ``Z_r x Z_c`` (n = r c, node i at ``(i // c, i % c)``) is a sum of commuting
+  permutations, hence normal, and its eigenvalues are the 2-D FFT of its kernel, exact in
+  O(n log n): circulant graphs (ring, exponential, one-peer exponential, their directed
+  forms and ``complete``, r = 1) and tori with uniform weights (the Kronecker sum of two
+  circulants). Any other W goes to ARPACK as an operator (sparse part plus rank-one
+  terms, never n x n): a symmetric one by shift-invert Lanczos around 1 and -1 (one
+  sparse LU each; plain Lanczos needs thousands of iterations on the clustered spectrum
+  of a large grid), a non-symmetric one by Lanczos on the Gram matrix of ``W - 11^T/n``
+  with an iteration cap (relative tolerance 1e-10).
 
   Example:
     >>> from gossipjax import topology as T
@@ -40,10 +44,13 @@ def rho(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
     if n <= EXACT_RHO_NODES:
       return _dense_rho(topology.matrix(step))
     plan = topology.plans()[int(step) % topology.period]
-    circulant = _circulant_row(plan)
-    if circulant is not None:
-      return _circulant_rho(circulant)
-    return _sparse_rho(topology.sparse(step), symmetric=topology.is_symmetric())
+    kernel = _translation_kernel(plan)
+    if kernel is not None:
+      return _circulant_rho(kernel)
+    symmetric = Topology.from_plans(plan).is_symmetric()
+    if symmetric and not plan.rank_one:
+      return _symmetric_rho(plan.sparse())
+    return _operator_rho(plan.matvec, reversed_plan(plan).matvec, n, symmetric)
   if sp.issparse(topology):
     w = sp.csr_array(topology, dtype=np.float64)
     if w.shape[0] <= EXACT_RHO_NODES:
@@ -53,6 +60,13 @@ def rho(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
   if w.shape[0] <= EXACT_RHO_NODES:
     return _dense_rho(w)
   return _sparse_rho(sp.csr_array(w), symmetric=bool(np.allclose(w, w.T, atol=1e-12)))
+
+
+def _sparse_rho(w: sp.csr_array, symmetric: bool) -> float:
+  if symmetric:
+    return _symmetric_rho(w)
+  wt = w.T.tocsr()
+  return _operator_rho(lambda x: w @ x, lambda x: wt @ x, w.shape[0], symmetric=False)
 
 
 def spectral_gap(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
@@ -65,40 +79,133 @@ def _dense_rho(w: np.ndarray) -> float:
   return float(np.linalg.norm(w - np.full((n, n), 1.0 / n), ord=2))
 
 
-def _circulant_row(plan: MixingPlan) -> np.ndarray | None:
-  """The first row ``c`` (W[i, i + h] = c[h]) when every round is a shift with one weight, else None."""
+def _translation_kernel(plan: MixingPlan) -> np.ndarray | None:
+  """The kernel ``K`` (r, c) with ``W[i, i + g] = K[g]`` on some group Z_r x Z_c, else None.
+
+  Tries r = 1 (a circulant: every round a shift with one weight, read off the rounds) and
+  then every factorisation n = r c of the node count. Constant rank-one terms (multiples of
+  11^T) add to every entry of the kernel; other rank-one terms are not translation invariant.
+  """
   n = plan.num_nodes
   s = plan.self_weight
-  if not np.all(s == s[0]):
+  if not np.all(s == s[0]) or not all(t.is_constant for t in plan.rank_one):
     return None
-  row = np.zeros(n)
-  row[0] = s[0]
-  for r in plan.rounds:
-    if r.shift is None or not np.all(r.weight == r.weight[0]):
-      return None
-    row[r.shift] += r.weight[0]
-  return row
+  everywhere = sum((float(t.u[0] * t.v[0]) for t in plan.rank_one), 0.0)
+  if all(r.shift is not None and np.all(r.weight == r.weight[0]) for r in plan.rounds):
+    row = np.full(n, everywhere)
+    row[0] += s[0]
+    for r in plan.rounds:
+      row[r.shift] += r.weight[0]
+    return row[None]
+  dst, src, w = plan.round_edges()
+  if not len(dst) or len(dst) > _MAX_KERNEL_EDGES_PER_NODE * n:
+    return None
+  most = int(np.bincount(dst, minlength=n).max())
+  for r in (d for d in range(2, n) if n % d == 0):
+    c = n // r
+    key = ((src // c - dst // c) % r) * c + (src % c - dst % c) % c
+    keys, index = np.unique(key, return_inverse=True)
+    if len(keys) > most:  # every node has the same offsets in a translation-invariant W
+      continue
+    per_node = sp.coo_array((w, (dst, index)), shape=(n, len(keys))).tocsc()
+    per_node.sum_duplicates()
+    if per_node.nnz != n * len(keys):
+      continue
+    columns = per_node.toarray()
+    if not np.all(columns == columns[0]):
+      continue
+    kernel = np.full(n, everywhere)
+    kernel[0] += s[0]
+    kernel[keys] += columns[0]
+    return kernel.reshape(r, c)
+  return None
 
 
-def _circulant_rho(row: np.ndarray) -> float:
-  # W = sum_h c_h S^h is normal with eigenvalues fft(c); 11^T/n shares the eigenvector 1
-  # (eigenvalue 1, where W has sum(c)) and is 0 on the others.
-  lam = np.fft.fft(row)
-  lam[0] -= 1.0
+# A translation-invariant W is looked for only among graphs this sparse (a torus has 4 edges per node).
+_MAX_KERNEL_EDGES_PER_NODE = 64
+
+
+def _circulant_rho(kernel: np.ndarray) -> float:
+  # W = sum_g K_g T_g (T_g the translations of the group) is normal with eigenvalues fft2(K);
+  # 11^T/n shares the eigenvector 1 (eigenvalue 1, where W has sum(K)) and is 0 on the others.
+  lam = np.fft.fft2(kernel)
+  lam[0, 0] -= 1.0
   return float(np.abs(lam).max())
 
 
-def _sparse_rho(w: sp.csr_array, symmetric: bool) -> float:
+def _symmetric_rho(w: sp.csr_array) -> float:
+  """``max |lambda|`` of a symmetric stochastic sparse W off the consensus direction, by shift-invert Lanczos.
+
+  The eigenvalue below 1 and the lowest one decide rho. Factorising ``W - sigma I`` once
+  (one sparse LU; sigma just above 1, where W is non-singular) makes the top ones the
+  best-separated for Lanczos, where plain Lanczos on a large grid's clustered spectrum needs
+  thousands of iterations. The lowest eigenvalue is bounded below by Gershgorin's
+  ``min_i (2 W_ii - 1)``; only when that bound could beat the second eigenvalue is it
+  computed too, by shift-invert at the bound.
+  """
   n = w.shape[0]
-  wt = w.T.tocsr()
-  a = lambda x: w @ x - x.mean(axis=0)  # (W - 11^T/n) x, never forming 11^T
-  at = lambda x: wt @ x - x.mean(axis=0)
+  if np.abs(w.sum(axis=1) - 1.0).max() > 1e-9:  # not stochastic: 1 is not an eigenvector
+    return _operator_rho(lambda x: w @ x, lambda x: w @ x, n, symmetric=True)
+  # Plain Lanczos first, on a short leash: it is fast on expanders (random graphs, hypercubes),
+  # where an LU would fill in; grids and other graphs with a clustered top go on to the LU.
+  quick = _operator_rho(lambda x: w @ x, lambda x: w @ x, n, symmetric=True, maxiter=_QUICK_ITER)
+  if quick is not None:
+    return quick
+  v0 = np.random.default_rng(0).standard_normal(n)  # a fixed start: the same W gives the same value
+  ones = np.full(n, 1.0 / np.sqrt(n))
+  lam, vecs = sla.eigsh(w.tocsc(), k=2, sigma=1.0 + _SHIFT, which="LM", tol=1e-10, v0=v0, maxiter=_MAX_ITER)
+  consensus = int(np.argmax(np.abs(ones @ vecs)))  # W 1 = 1: drop the consensus direction's eigenvalue
+  second = float(abs(lam[1 - consensus]))
+  lowest_bound = float(np.min(2.0 * w.diagonal() - 1.0))
+  if -lowest_bound <= second:
+    return second
+  bottom = sla.eigsh(w.tocsc(), k=1, sigma=lowest_bound - _SHIFT, which="LM", tol=1e-10, v0=v0,
+                     maxiter=_MAX_ITER, return_eigenvectors=False)
+  return max(second, float(abs(bottom[0])))
+
+
+_SHIFT = 1e-6
+# ARPACK restarts (of _NCV Lanczos vectors each): the quick try, and the cap of any solve.
+_QUICK_ITER = 20
+_MAX_ITER = 300
+_NCV = 32
+
+
+def _operator_rho(matvec, rmatvec, n: int, symmetric: bool, maxiter: int | None = None) -> float | None:
+  """``||W - 11^T/n||_2`` by Lanczos on an operator.
+
+  With ``maxiter`` given, returns None when Lanczos has not converged by then; without it,
+  stops after ``_MAX_ITER`` restarts (a few thousand products with W) and raises
+  ``ArpackNoConvergence`` there, so no call runs unbounded.
+  """
+  a = lambda x: matvec(x) - x.mean(axis=0)  # (W - 11^T/n) x, never forming 11^T
+  at = lambda x: rmatvec(x) - x.mean(axis=0)
   v0 = np.random.default_rng(0).standard_normal(n)  # a fixed start: the same W gives the same value
   if symmetric:
     op = sla.LinearOperator((n, n), matvec=a, matmat=a, dtype=np.float64)
-    lam = sla.eigsh(op, k=1, which="LM", tol=1e-10, v0=v0, return_eigenvectors=False)
-    return float(abs(lam[0]))
+    lam = _eigsh(op, "LM", v0, maxiter)
+    return None if lam is None else float(abs(lam))
   gram = lambda x: at(a(x))
   op = sla.LinearOperator((n, n), matvec=gram, matmat=gram, dtype=np.float64)
-  lam = sla.eigsh(op, k=1, which="LA", tol=1e-10, v0=v0, return_eigenvectors=False)
-  return float(np.sqrt(max(lam[0], 0.0)))
+  lam = _eigsh(op, "LA", v0, maxiter)
+  return None if lam is None else float(np.sqrt(max(lam, 0.0)))
+
+
+def _eigsh(op: sla.LinearOperator, which: str, v0: np.ndarray, maxiter: int | None) -> float | None:
+  n = op.shape[0]
+  try:
+    return float(sla.eigsh(op, k=1, which=which, tol=1e-10, v0=v0, ncv=min(_NCV, n - 1) if n > 2 else None,
+                           maxiter=maxiter or _MAX_ITER, return_eigenvectors=False)[0])
+  except sla.ArpackNoConvergence as e:
+    if maxiter is not None:
+      return None
+    raise sla.ArpackNoConvergence(
+        f"rho: Lanczos did not converge within {_MAX_ITER} restarts of {_NCV} products with W (the top of "
+        "the spectrum is clustered, as for a large grid with non-symmetric weights); use a symmetric W "
+        "(weights='metropolis') or compute rho at a smaller size", e.eigenvalues, e.eigenvectors) from e
+  except sla.ArpackError:
+    # ARPACK breaks down on an operator that is exactly 0 (W = 11^T/n); the norm is then 0.
+    probe = op.matvec(v0)
+    if np.linalg.norm(probe) <= 1e-12 * np.linalg.norm(v0):
+      return 0.0
+    raise

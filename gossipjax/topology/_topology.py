@@ -5,13 +5,14 @@ Convention: rows receive. ``x_new[i] = sum_j W[i, j] x[j]``.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal, Sequence
 
 import numpy as np
 import scipy.sparse as sp
 from scipy.sparse import csgraph
 
-from gossipjax.topology._plan import MixingPlan, check_dense_size, plan_from_matrix
+from gossipjax.topology._plan import MAX_LISTED_ENTRIES, MixingPlan, check_dense_size, plan_from_matrix
 
 Stochasticity = Literal["row", "column", "doubly", "none"]
 
@@ -65,7 +66,12 @@ class Topology:
     return self._plans
 
   def sparse(self, step: int = 0) -> sp.csr_array:
-    """W at ``step`` as a ``scipy.sparse`` CSR array (rows receive), for any n."""
+    """W at ``step`` as a ``scipy.sparse`` CSR array (rows receive).
+
+    Raises:
+      ValueError: when W is dense, as ``complete(n)`` past ``MAX_DENSE_NODES`` nodes (its
+        plan holds it as one rank-one term, ``11^T / n``).
+    """
     k = int(step) % self.period
     if k not in self._sparse:
       self._sparse[k] = self._plans[k].sparse()
@@ -92,12 +98,15 @@ class Topology:
     return out
 
   def max_degree(self) -> int:
-    """Largest number of messages any node receives in one step."""
+    """Largest number of messages any node receives in one step (a rank-one term counts its senders)."""
     most = 0
     for plan in self._plans:
       received = np.zeros(self.num_nodes, np.int64)
       for r in plan.rounds:
         received += r.weight > 0
+      for t in plan.rank_one:
+        senders = np.count_nonzero(t.v)
+        received += (t.u != 0) * (senders - (t.v != 0))
       most = max(most, int(received.max()))
     return most
 
@@ -120,7 +129,7 @@ class Topology:
         _check_sums(plan.row_sums(), "row", where, stochastic)
       if stochastic in ("column", "doubly"):
         _check_sums(plan.column_sums(), "column", where, stochastic)
-    if connected and not is_strongly_connected(self.union_graph()):
+    if connected and not is_strongly_connected(self._reach_graph()):
       raise ValueError(
           f"{self.name}: the graph is not connected (over one period of {self.period} step(s)), "
           "so the nodes can never reach consensus"
@@ -128,26 +137,97 @@ class Topology:
     return self
 
   def union_graph(self) -> sp.csr_array:
-    """Boolean adjacency (``[i, j]``: i receives from j at some step of the period), sparse."""
+    """Boolean adjacency (``[i, j]``: i receives from j at some step of the period), sparse.
+
+    Raises:
+      ValueError: when the rank-one terms stand for more than ``MAX_DENSE_NODES ** 2``
+        edges (``complete(n)`` past 8,192 nodes); ``check(connected=True)`` still works there.
+    """
     n = self.num_nodes
     edges = [p.edges() for p in self._plans]
     dst = np.concatenate([d[w > 0] for d, _, w in edges])
     src = np.concatenate([s[w > 0] for _, s, w in edges])
     return sp.csr_array((np.ones(len(dst), bool), (dst, src)), shape=(n, n))
 
+  def _reach_graph(self) -> sp.csr_array:
+    """The union graph with one extra vertex per rank-one term, O(n) per term instead of O(n^2).
+
+    Term ``u v^T`` joins every j with ``v_j > 0`` to every i with ``u_i > 0``; routing those
+    edges through a vertex of its own (j -> t -> i) keeps who reaches whom among the nodes,
+    so the graph is strongly connected exactly when the union graph is.
+    """
+    n = self.num_nodes
+    dst, src, extra = [], [], n
+    for p in self._plans:
+      d, s_, w = p.round_edges()
+      dst.append(d[w > 0])
+      src.append(s_[w > 0])
+      for t in p.rank_one:
+        receivers, senders = np.flatnonzero(t.u > 0), np.flatnonzero(t.v > 0)
+        if len(receivers) and len(senders):
+          dst += [np.full(len(senders), extra), receivers]
+          src += [senders, np.full(len(receivers), extra)]
+          extra += 1
+    dst, src = np.concatenate(dst), np.concatenate(src)
+    return sp.csr_array((np.ones(len(dst), bool), (dst, src)), shape=(extra, extra))
+
   def is_symmetric(self) -> bool:
-    """True when every W(k) equals its transpose (an undirected graph with symmetric weights)."""
-    for k in range(self.period):
-      w = self.sparse(k)
-      wt = w.T.tocsr()
-      excess = abs(w - wt) - 1e-5 * abs(wt)  # np.allclose(w, w.T, atol=1e-12), entry by entry
-      if excess.nnz and excess.max() > 1e-12:
+    """True when every W(k) equals its transpose (an undirected graph with symmetric weights).
+
+    Where the rank-one terms are too many entries to list (``complete(n)`` past 8,192 nodes),
+    the sparse part and the sum of the rank-one terms are tested apart (W is symmetric
+    when both are): ``sum_k u_k v_k^T`` is symmetric when ``||U V^T - V U^T||_F = 0``,
+    computed from the 2k x 2k Gram matrix of ``[U V]`` in O(n k^2).
+    """
+    for plan in self._plans:
+      if plan.rank_one_entry_count() <= MAX_LISTED_ENTRIES:
+        if not _sparse_symmetric(plan.sparse()):
+          return False
+      elif not (_sparse_symmetric(plan.sparse_part()) and _rank_one_symmetric(plan)):
         return False
     return True
+
+  def fingerprint(self) -> str:
+    """SHA-256 of n, the period and every plan's self weights, rounds and rank-one terms.
+
+    Weights are rounded to 12 decimals, so round-off does not count; two topologies with
+    the same fingerprint exchange the same messages with the same weights.
+    """
+    h = hashlib.sha256(np.asarray([self.num_nodes, self.period], np.int64).tobytes())
+
+    def add(weights: np.ndarray) -> None:
+      h.update((np.round(np.asarray(weights, np.float64), 12) + 0.0).tobytes())  # + 0.0: -0.0 hashes as 0.0
+
+    for plan in self._plans:
+      add(plan.self_weight)
+      h.update(np.asarray([len(plan.rounds), len(plan.rank_one)], np.int64).tobytes())
+      for r in plan.rounds:
+        h.update(np.asarray(r.src, np.int64).tobytes())
+        add(r.weight)
+      for t in plan.rank_one:
+        add(t.u)
+        add(t.v)
+    return h.hexdigest()
 
   def __repr__(self) -> str:
     kind = f"time-varying, period {self.period}" if self.is_time_varying else "static"
     return f"Topology({self.name}, n={self.num_nodes}, {kind})"
+
+
+def _sparse_symmetric(w: sp.csr_array) -> bool:
+  wt = w.T.tocsr()
+  excess = abs(w - wt) - 1e-5 * abs(wt)  # np.allclose(w, w.T, atol=1e-12), entry by entry
+  return not (excess.nnz and excess.max() > 1e-12)
+
+
+def _rank_one_symmetric(plan: MixingPlan) -> bool:
+  k = len(plan.rank_one)
+  m = np.stack([t.u for t in plan.rank_one] + [t.v for t in plan.rank_one], axis=1)  # [U V], (n, 2k)
+  gram = m.T @ m
+  j = np.block([[np.zeros((k, k)), np.eye(k)], [-np.eye(k), np.zeros((k, k))]])  # U V^T - V U^T = M J M^T
+  skew = float(np.trace(j @ gram @ j.T @ gram))  # ||M J M^T||_F^2
+  scale = float(np.trace(gram)) ** 2
+  return skew <= 1e-20 * max(scale, 1.0)
 
 
 def _to_plans(matrices: Any, name: str) -> tuple[MixingPlan, ...]:
@@ -169,9 +249,10 @@ def _to_plans(matrices: Any, name: str) -> tuple[MixingPlan, ...]:
   for m in steps:
     if isinstance(m, MixingPlan):
       n = m.num_nodes
-      dst, src, w = m.edges()
+      dst, src, w = m.round_edges()
       nodes = np.arange(n)
       entries.append((np.concatenate([nodes, dst]), np.concatenate([nodes, src]), np.concatenate([m.self_weight, w])))
+      _check_rank_one(m, name)
     elif sp.issparse(m):
       if len(m.shape) != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"{name}: a mixing matrix must be square n x n, got shape {m.shape}")
@@ -191,6 +272,19 @@ def _to_plans(matrices: Any, name: str) -> tuple[MixingPlan, ...]:
       raise ValueError(f"{name}: every step's W must have the same n, got {_num_nodes(steps[0])} and {n}")
   _check_entries(entries, name)
   return tuple(m if isinstance(m, MixingPlan) else plan_from_matrix(m, name) for m in steps)
+
+
+def _check_rank_one(plan: MixingPlan, name: str) -> None:
+  """Rank-one terms need finite, non-negative ``u`` and ``v`` of length n (so every entry of u v^T is >= 0)."""
+  for k, t in enumerate(plan.rank_one):
+    for part in ("u", "v"):
+      vec = np.asarray(getattr(t, part))
+      if vec.shape != (plan.num_nodes,):
+        raise ValueError(f"{name}: rank-one term {k} has {part} of shape {vec.shape}, expected ({plan.num_nodes},)")
+      bad = np.flatnonzero(~np.isfinite(vec) | (vec < -_TOL))
+      if len(bad):
+        raise ValueError(f"{name}: rank-one term {k} has {part}[{bad[0]}] = {vec[bad[0]]:.6g}; "
+                         "u and v must be finite and non-negative")
 
 
 def _num_nodes(m: Any) -> int:
