@@ -93,37 +93,45 @@ def check_divisible(topology: Topology, num_devices: int, where: str) -> int:
 
 
 def compile_plan(plan: MixingPlan, num_devices: int) -> BlockPlan:
-  """Groups a plan's cross-device edges by device offset (see the module docstring)."""
+  """Groups a plan's cross-device edges by device offset (see the module docstring).
+
+  Array operations over all edges at once, O(edges log edges): at 65,536 nodes of an
+  exponential graph on 2 devices this is about 0.1 s, where a loop over edges took seconds.
+  """
   n, k = plan.num_nodes, num_devices
   b = n // k
-  need: dict[int, list[set[int]]] = {}  # offset -> per source device, the local rows it sends
-  for r in plan.rounds:
-    for i in np.flatnonzero(r.weight):
-      j = int(r.src[i])
-      off = int((i // b - j // b) % k)
-      if off:
-        need.setdefault(off, [set() for _ in range(k)])[j // b].add(j % b)
-  exchanges, slot = [], {}
-  for e, off in enumerate(sorted(need)):
-    rows = [sorted(s) for s in need[off]]
-    m = max(len(x) for x in rows)
-    send = np.zeros((k, m), np.int64)
-    for s, x in enumerate(rows):
-      send[s, : len(x)] = x
-      for p, row in enumerate(x):
-        slot[(off, s, row)] = (1 + e, p)
-    pairs = tuple((s, int((s + off) % k)) for s in range(k) if rows[s])
-    exchanges.append(Exchange(off, pairs, send, np.array([len(x) for x in rows])))
+  live = [np.flatnonzero(r.weight) for r in plan.rounds]
+  dst = np.concatenate(live or [np.zeros(0, np.int64)])
+  src = np.concatenate([r.src[i] for r, i in zip(plan.rounds, live)] or [np.zeros(0, np.int64)]).astype(np.int64)
+  off = (dst // b - src // b) % k
+  # Every row a device sends at an offset, once, sorted by (offset, source device, local row).
+  cross = off != 0
+  sent = np.unique((off[cross] * k + src[cross] // b) * b + src[cross] % b)
+  sent_off, sent_dev, sent_row = sent // (k * b), (sent // b) % k, sent % b
+  offsets = np.unique(sent_off)
+  which = np.searchsorted(offsets, sent_off)  # the exchange each sent row travels in
+  group = which * k + sent_dev
+  position = np.arange(len(sent)) - np.searchsorted(group, group)  # its slot in that device's send buffer
+  counts = np.bincount(group, minlength=len(offsets) * k).reshape(len(offsets), k)
+  exchanges = []
+  for e, o in enumerate(offsets.tolist()):
+    mine = which == e
+    send = np.zeros((k, int(counts[e].max())), np.int64)
+    send[sent_dev[mine], position[mine]] = sent_row[mine]
+    pairs = tuple((s, (s + o) % k) for s in range(k) if counts[e, s])
+    exchanges.append(Exchange(o, pairs, send, counts[e].astype(np.int64)))
   rounds = []
-  for r in plan.rounds:
+  bounds = np.cumsum([0] + [len(i) for i in live])
+  for r, a, z in zip(plan.rounds, bounds[:-1], bounds[1:]):
+    d, j, o = dst[a:z], src[a:z], off[a:z]
     buffer = np.zeros((k, b), np.int64)
     row = np.tile(np.arange(b), (k, 1))
     weight = np.zeros((k, b))
-    for i in np.flatnonzero(r.weight):
-      j = int(r.src[i])
-      d, off = i // b, (i // b - j // b) % k
-      buffer[d, i % b], row[d, i % b] = slot[(off, j // b, j % b)] if off else (0, j % b)
-      weight[d, i % b] = r.weight[i]
+    slot = np.searchsorted(sent, (o * k + j // b) * b + j % b)  # meaningful where o != 0
+    far = o != 0
+    buffer[d // b, d % b] = np.where(far, 1 + which[np.minimum(slot, len(sent) - 1)] if len(sent) else 0, 0)
+    row[d // b, d % b] = np.where(far, position[np.minimum(slot, len(sent) - 1)] if len(sent) else 0, j % b)
+    weight[d // b, d % b] = r.weight[d]
     rounds.append(BlockRound(buffer, row, weight))
   rank_one = tuple(BlockRankOne(t.u.reshape(k, b).copy(), t.v.reshape(k, b).copy()) for t in plan.rank_one)
   return BlockPlan(k, b, plan.self_weight.reshape(k, b).copy(), tuple(exchanges), tuple(rounds), rank_one)
