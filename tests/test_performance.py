@@ -173,7 +173,7 @@ def test_timing_stops_waiting_for_a_process_that_is_never_quiet():
 def test_benchmark_suite_quick(tmp_path):
   out = tmp_path / "results.json"
   bench_main.main(["--quick", "--no-torch", "--json", str(out),
-                   "--only", "optimizer_bandwidth", "dmsgd_step", "memory", "compile_time", "scale",
+                   "--only", "optimizer_bandwidth", "dmsgd_step", "memory", "compile_time", "throughput",
                    "node_parallel", "resnet20_gpu"])
   r = json.loads(out.read_text())["benchmarks"]
   assert set(r["optimizer_bandwidth"]["fraction_of_copy_bandwidth"]) >= {
@@ -182,7 +182,7 @@ def test_benchmark_suite_quick(tmp_path):
   assert r["dmsgd_step"]["max_abs_param_diff_vs_hand_fused"] < 1e-5
   assert r["memory"]["donated"]["peak"] < r["memory"]["not_donated"]["peak"]
   assert all(c == 1 for c in r["compile_time"]["compilations_over_two_periods"].values())
-  assert set(r["scale"]["node_steps_per_s"]) == {"4", "16"} and all(v > 0 for v in r["scale"]["node_steps_per_s"].values())
+  assert set(r["throughput"]["node_steps_per_s"]) == {"4", "16"} and all(v > 0 for v in r["throughput"]["node_steps_per_s"].values())
   rows = r["node_parallel"]["rows"]
   assert set(rows) == {f"{sweep}_{k}" for sweep in ("weak", "strong") for k in (1, 2, 4, 8)} | {"plain_vmap"}
   assert all(row["seconds_per_step"] > 0 for row in rows.values())
