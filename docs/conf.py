@@ -4,6 +4,7 @@ import importlib
 import inspect
 import os
 import pathlib
+import re
 import sys
 
 # The tutorial notebook asks for 8 CPU devices before it imports jax; so do the guides that
@@ -104,6 +105,94 @@ def _write_api_pages(app, config):
     (out / "index.rst").write_text(text)
 
 
+_LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
+
+
+def _page_from(source, page, heading_offset=0):
+  """The Markdown of ``source`` as a page at ``page``: headings moved down ``heading_offset``
+  levels, and relative links and images pointing at the files next to ``source`` (a file that
+  exists becomes a download link; a link to anything else becomes plain code text)."""
+  out, fenced = [], False
+  for line in source.read_text().splitlines():
+    if line.lstrip().startswith("```"):
+      fenced = not fenced
+    elif not fenced:
+      if line.startswith("#"):
+        line = "#" * heading_offset + line
+
+      def relink(m):
+        target = m.group(2)
+        if re.match(r"[a-z]+:|#", target):
+          return m.group(0)
+        path = (source.parent / target.split("#")[0]).resolve()
+        if path.is_file():
+          return m.group(1) + os.path.relpath(path, page.parent) + m.group(3)
+        return f"`{target}`" if not m.group(1).startswith("!") else ""
+
+      line = _LINK.sub(relink, line)
+    out.append(line)
+  return "\n".join(out) + "\n"
+
+
+def _first_table(text):
+  """The first Markdown table of ``text`` (its consecutive ``|`` lines), or ``None``."""
+  table = []
+  for line in text.splitlines():
+    if line.startswith("|"):
+      table.append(line)
+    elif table:
+      break
+  return "\n".join(table) if len(table) > 2 else None
+
+
+def _question(readme):
+  """The first paragraph after a README's title: the study's question."""
+  paragraphs = [p.strip() for p in readme.split("\n\n")]
+  body = [p for p in paragraphs[1:] if p and not p.startswith(("#", "```", "|", "!", "-"))]
+  return body[0] if body else ""
+
+
+def _write_if_changed(path, text):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  if not path.exists() or path.read_text() != text:
+    path.write_text(text)
+
+
+def _write_result_pages(app, config):
+  """Writes ``results/``: the benchmarks page from ``benchmarks/RESULTS.md``, and a gallery of
+  every study in ``experiments/`` (its question, figures and main table) with one page per
+  study holding its whole README. Generated at each build, so they show the current results."""
+  out = DOCS / "results"
+  bench = out / "benchmarks.md"
+  intro = ["# Benchmarks", "",
+           "`python -m benchmarks` runs the suite in `benchmarks/` (`--quick` for a smoke run, `--only NAME ...`",
+           "for a part of it) and writes its figures as JSON. `benchmarks/RESULTS.md`, shown below, holds the",
+           "latest figures with the machine and the conditions they were taken under.", "", ""]
+  _write_if_changed(bench, "\n".join(intro) + _page_from(ROOT / "benchmarks" / "RESULTS.md", bench, 1))
+
+  studies = sorted(p.parent for p in (ROOT / "experiments").glob("*/README.md"))
+  gallery = ["# Experiments gallery", "",
+             "Each study in `experiments/` reproduces a result of the papers gossipjax is built from, has a",
+             "`--quick` mode that runs in minutes on 2 CPU cores, and keeps its figures and tables in",
+             "`experiments/<study>/results/`. Below, each study's question, figures and main table; its page",
+             "has the setup, the commands and every table.", "",
+             "```{toctree}", ":hidden:", ""] + [s.name for s in studies] + ["```", ""]
+  for study in studies:
+    readme = (study / "README.md").read_text()
+    title = next((l[2:].strip() for l in readme.splitlines() if l.startswith("# ")), study.name)
+    page = out / "experiments" / f"{study.name}.md"
+    _write_if_changed(page, _page_from(study / "README.md", page))
+    gallery += [f"## {title}", "", f"`experiments/{study.name}`: {{doc}}`the whole study <{study.name}>`", "",
+                _question(readme), ""]
+    for png in sorted((study / "results").glob("*.png")):
+      gallery += [f"```{{image}} {os.path.relpath(png, page.parent)}", f":alt: {png.stem}", "```", ""]
+    tables = [_first_table(f.read_text()) for f in sorted((study / "results").glob("*.md"))]
+    table = next((t for t in tables if t), None) or _first_table(readme)
+    if table:
+      gallery += [table, ""]
+  _write_if_changed(out / "experiments" / "index.md", "\n".join(gallery))
+
+
 def _describe_data(app, what, name, obj, options, lines):
   """A constant has no docstring of its own: say what it holds instead of its type's docstring."""
   if what not in ("data", "attribute") or inspect.isroutine(obj) or inspect.isclass(obj):
@@ -121,3 +210,4 @@ def _describe_data(app, what, name, obj, options, lines):
 def setup(app):
   app.connect("autodoc-process-docstring", _describe_data)
   app.connect("config-inited", _write_api_pages)
+  app.connect("config-inited", _write_result_pages)
