@@ -39,9 +39,33 @@ def allreduce_sgd(
   trained on the global batch.
 
   Args:
-    learning_rate: a float or an optax schedule.
     beta: momentum coefficient.
-    backend: where the nodes live (default: simulate).
+    learning_rate: a float or an optax schedule.
+    backend: where the nodes live (default: simulate); provides the all-reduce mean.
+
+  Returns:
+    An optax transform over node-stacked params; its update is ``-lr`` times the momentum
+    of the node-averaged gradient, the same on every node.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.allreduce_sgd(learning_rate=0.5)
+    >>> x = jnp.zeros((4, 1))
+    >>> g = jnp.arange(4.0)[:, None]  # node i's gradient is i: their average is 1.5
+    >>> u, _ = tx.update(g, tx.init(x), x)
+    >>> u.ravel().tolist()  # every node steps along -0.5 * 1.5
+    [-0.75, -0.75, -0.75, -0.75]
+
+  References:
+    Goyal, Dollár, Girshick, Noordhuis, Wesolowski, Kyrola, Tulloch, Jia, He (2017),
+    Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour, arXiv:1706.02677.
+
+    Zhang, Lian, Zhang, Liu, Decentralized Distributed Deep Learning (IBM T.J. Watson
+    Research Center, University of Rochester, ETH Zurich): the AllReduce baseline of its
+    Table 1.
+
+    Yuan (2021), Decentralized Optimization Algorithms for Large-Scale Deep Neural Network
+    Training, lecture at Zhejiang University: parallel momentum SGD (PmSGD).
   """
   check_learning_rate(learning_rate, "gj.allreduce_sgd")
   check_momentum(beta, "gj.allreduce_sgd")

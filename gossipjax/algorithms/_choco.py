@@ -16,6 +16,18 @@ from gossipjax.compress import Compressor
 
 
 class ChocoState(NamedTuple):
+  """State of `choco_sgd`.
+
+  Attributes:
+    count: int32 scalar, the number of steps taken (the schedule's step and W's index).
+    public: ``x_hat_i``, the copy of ``x_i`` that node i and its neighbours share, shaped
+      like the params.
+    neighbour_sum: ``s_i = sum_j w_ij x_hat_j``, kept up to date from the compressed
+      messages, shaped like the params.
+    key: (nodes, 2) uint32, one PRNG key per node for random compressors.
+    message_bits: (nodes,) the bits of the message ``q_i`` each node sent in the last step.
+  """
+
   count: jax.Array
   public: Any  # x_hat_i: the copy of x_i that node i and its neighbours share
   neighbour_sum: Any  # s_i = sum_j w_ij x_hat_j, kept up to date from the compressed messages
@@ -74,6 +86,13 @@ def choco_sgd(
     seed: seeds the per-node PRNG keys of random compressors.
     backend: where the nodes live (default: simulate).
 
+  Returns:
+    An optax transform over node-stacked params (its ``update`` needs ``params``) whose
+    state is a `ChocoState`.
+
+  Raises:
+    TypeError: ``compressor`` is not a ``gj.compress`` compressor.
+
   Example:
     >>> import jax.numpy as jnp, gossipjax as gj
     >>> tx = gj.choco_sgd(gj.topology.ring(4), gj.compress.sign(), learning_rate=0.1, consensus_step=0.5)
@@ -81,6 +100,10 @@ def choco_sgd(
     >>> u, state = tx.update(jnp.zeros_like(x), tx.init(x), x)
     >>> state.message_bits.tolist()  # 10 sign bits and a 32-bit scale per node
     [42.0, 42.0, 42.0, 42.0]
+
+  References:
+    Koloskova, Stich, Jaggi (2019), Decentralized Stochastic Optimization and Gossip
+    Algorithms with Compressed Communication, ICML.
   """
   if not isinstance(compressor, Compressor):
     raise TypeError(f"choco_sgd: compressor must be a gj.compress compressor, got {type(compressor).__name__}")

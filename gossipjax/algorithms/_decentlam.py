@@ -36,6 +36,14 @@ def _check_symmetric(topology, beta) -> None:
 
 
 class DecentLaMState(NamedTuple):
+  """State of `decentlam`.
+
+  Attributes:
+    count: int32 scalar, the number of steps taken (the schedule's step and W's index).
+    momentum: the momentum ``m_i`` of every node, fed the gossip-corrected gradient;
+      shaped like the params (leading node axis).
+  """
+
   count: jax.Array
   momentum: Any
 
@@ -64,6 +72,33 @@ def decentlam(
     beta: momentum coefficient.
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
+
+  Returns:
+    An optax transform over node-stacked params (its ``update`` needs ``params``) whose
+    state is a `DecentLaMState`.
+
+  Raises:
+    ValueError: the topology is directed (DecentLaM needs a symmetric W).
+
+  Example:
+    With a zero gradient the first step is one gossip round, ``x^1 = W x^0``, and the
+    momentum keeps the gossip correction ``(x - W x) / \gamma``:
+
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.decentlam(gj.topology.ring(4), beta=0.5, learning_rate=0.1)
+    >>> x = jnp.arange(4.0)[:, None]
+    >>> u, state = tx.update(jnp.zeros_like(x), tx.init(x), x)
+    >>> [round(float(v), 4) for v in (x + u).ravel()]  # each node: mean of itself and its two neighbours
+    [1.3333, 1.0, 2.0, 1.6667]
+    >>> [round(float(v), 4) for v in state.momentum.ravel()]
+    [-13.3333, 0.0, 0.0, 13.3333]
+
+  References:
+    Yuan, Chen, Huang, Zhang, Pan, Xu, Yin (2021), DecentLaM: Decentralized Momentum SGD
+    for Large-Batch Deep Training, ICCV.
+
+    Yuan (2021), Decentralized Optimization Algorithms for Large-Scale Deep Neural Network
+    Training, lecture at Zhejiang University: Algorithm 2 and the inconsistency bias.
   """
   check_learning_rate(learning_rate, "gj.decentlam")
   check_momentum(beta, "gj.decentlam")

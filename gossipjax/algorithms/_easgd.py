@@ -16,6 +16,15 @@ from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 
 
 class EASGDState(NamedTuple):
+  """State of `easgd`.
+
+  Attributes:
+    count: int32 scalar, the number of steps taken (the elastic terms apply when
+      ``count % every == 0``).
+    center: the center variable ``x_tilde``, one equal copy per node (leading node axis),
+      shaped like the params.
+  """
+
   count: jax.Array
   center: Any  # the center variable x_tilde, one (equal) copy per node
 
@@ -28,9 +37,11 @@ def easgd(
     every: int = 1,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""Synchronous elastic averaging SGD (Zhang, Choromanska and LeCun, NeurIPS 2015;
-  the baseline of "Rethinking the Value of Asynchronous Solvers for Distributed Deep Learning",
-  HPC Asia 2020).
+  r"""Synchronous elastic averaging SGD (EASGD), the centralized elastic baseline.
+
+  From Zhang, Choromanska and LeCun (NeurIPS 2015); the baseline of Wongpanich, You and
+  Demmel, "Rethinking the Value of Asynchronous Solvers for Distributed Deep Learning"
+  (HPC Asia 2020).
 
   Each worker is pulled towards a center variable ``\tilde x`` and the center towards the
   workers' average (the paper's equations (5)-(6); the elastic terms are applied every
@@ -54,6 +65,30 @@ def easgd(
       workers' average.
     every: tau, apply the elastic terms every ``every`` steps (local SGD in between).
     backend: where the nodes live (default: simulate); provides the all-reduce mean.
+
+  Returns:
+    An optax transform over node-stacked params (its ``update`` needs ``params``) whose
+    state is an `EASGDState`; ``init`` sets the center to the node average.
+
+  Example:
+    With a zero gradient every worker moves a quarter of the way to the center (the
+    average, 1.5), and the center, already at the workers' average, stays:
+
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.easgd(learning_rate=0.1, alpha=0.25, center_rate=0.5)
+    >>> x = jnp.arange(4.0)[:, None]
+    >>> u, state = tx.update(jnp.zeros_like(x), tx.init(x), x)
+    >>> (x + u).ravel().tolist()
+    [0.375, 1.125, 1.875, 2.625]
+    >>> state.center.ravel().tolist()
+    [1.5, 1.5, 1.5, 1.5]
+
+  References:
+    Zhang, Choromanska, LeCun (2015), Deep Learning with Elastic Averaging SGD, NeurIPS.
+
+    Wongpanich, You, Demmel (2020), Rethinking the Value of Asynchronous Solvers for
+    Distributed Deep Learning, HPC Asia (International Conference on High Performance
+    Computing in Asia-Pacific Region).
   """
   check_learning_rate(learning_rate, "gj.easgd")
   check_in_range(alpha, "gj.easgd", "alpha", 0.0, 1.0)

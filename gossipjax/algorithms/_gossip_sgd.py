@@ -35,13 +35,32 @@ def gossip_sgd(
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
 
+  Returns:
+    An optax transform over node-stacked params (its ``update`` needs ``params``), the
+    chain above.
+
   Example:
-    >>> import jax, jax.numpy as jnp, optax, gossipjax as gj
-    >>> tx = gj.gossip_sgd(gj.topology.ring(8), beta=0.9, learning_rate=0.1)
-    >>> x = jnp.ones((8, 3))
-    >>> updates, state = tx.update(x, tx.init(x), x)
-    >>> optax.apply_updates(x, updates).shape
-    (8, 3)
+    One step on a ring of 4 from ``x = 0`` with node i's gradient equal to i: each node
+    takes its local step ``-0.5 i``, then averages with its two neighbours; the node
+    average moves by ``-0.5`` times the average gradient, as in centralized SGD:
+
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.gossip_sgd(gj.topology.ring(4), beta=0.9, learning_rate=0.5)
+    >>> x = jnp.zeros((4, 1))
+    >>> g = jnp.arange(4.0)[:, None]
+    >>> u, state = tx.update(g, tx.init(x), x)
+    >>> [round(float(v), 4) for v in (x + u).ravel()]
+    [-0.6667, -0.5, -1.0, -0.8333]
+    >>> round(float((x + u).mean()), 4)
+    -0.75
+
+  References:
+    Lian, Zhang, Zhang, Hsieh, Zhang, Liu (2017), Can Decentralized Algorithms Outperform
+    Centralized Algorithms? A Case Study for Decentralized Parallel Stochastic Gradient
+    Descent, NeurIPS.
+
+    Yuan, Chen, Huang, Zhang, Pan, Xu, Yin (2021), DecentLaM: Decentralized Momentum SGD
+    for Large-Batch Deep Training, ICCV (DmSGD, its Algorithm 1).
   """
   check_learning_rate(learning_rate, "gj.gossip_sgd")
   check_momentum(beta, "gj.gossip_sgd")

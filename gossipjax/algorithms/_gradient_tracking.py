@@ -15,6 +15,14 @@ from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 
 
 class GradientTrackingState(NamedTuple):
+  """State of `gradient_tracking`.
+
+  Attributes:
+    count: int32 scalar, the number of steps taken (the schedule's step and W's index).
+    correction: ``c^k = W^{(k-1)} y^{k-1} - g^{k-1}`` of every node (``c^0 = 0``), so that
+      the tracker is ``y^k = c^k + g^k``; shaped like the params.
+  """
+
   count: jax.Array
   correction: Any  # W(k-1) y^{k-1} - g^{k-1}, so that the tracker is y^k = correction + g^k
 
@@ -45,6 +53,10 @@ def gradient_tracking(
     learning_rate: a float or an optax schedule (``gamma_k`` multiplies ``y^k``).
     backend: where the nodes live (default: simulate).
 
+  Returns:
+    An optax transform over node-stacked params (its ``update`` needs ``params``) whose
+    state is a `GradientTrackingState`.
+
   Example:
     >>> import jax.numpy as jnp, gossipjax as gj
     >>> tx = gj.gradient_tracking(gj.topology.one_peer_exponential(8), learning_rate=0.1)
@@ -52,6 +64,10 @@ def gradient_tracking(
     >>> updates, state = tx.update(jnp.ones((8, 3)), tx.init(x), x)  # y^0 = g^0
     >>> round(float(updates[0, 0]), 6)
     -0.1
+
+  References:
+    Nedić, Olshevsky, Shi (2017), Achieving Geometric Convergence for Distributed
+    Optimization over Time-Varying Graphs, SIAM Journal on Optimization 27(4).
   """
   check_learning_rate(learning_rate, "gj.gradient_tracking")
   mixer = make_mixer(topology, backend)

@@ -15,6 +15,13 @@ from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 
 
 class PeriodicAverageState(NamedTuple):
+  """State of `periodic_average`.
+
+  Attributes:
+    count: int32 scalar, the number of steps taken; the global average is taken when
+      ``count % every == every - 1``.
+  """
+
   count: jax.Array
 
 
@@ -22,7 +29,7 @@ def periodic_average(every: int, backend: Backend | None = None) -> optax.Gradie
   r"""Replaces every node's model by the global average every ``every`` steps.
 
   Chained after any gossip method, this is decentralized SGD with periodic global
-  averaging, DSGD-PGA (Chen, Yuan, Zhang, Pan, Xu and Yin, NeurIPS 2021; also in Kun Yuan's
+  averaging, DSGD-PGA (Chen, Yuan, Zhang, Pan, Xu and Yin, ICML 2021; also in Kun Yuan's
   lecture "Decentralized Optimization Algorithms for Large-Scale Deep Neural Network Training",
   2021): the cheap gossip steps run in between, and one all-reduce every H steps bounds the
   consensus distance independently of the spectral gap of W.
@@ -31,13 +38,32 @@ def periodic_average(every: int, backend: Backend | None = None) -> optax.Gradie
     x^{k+1} = \begin{cases} \frac{1}{n} \mathbf{1}\mathbf{1}^\top (x^k + u^k) & k \bmod H = H - 1 \\
                             x^k + u^k & \text{otherwise.} \end{cases}
 
-  Example:
-    >>> import optax, gossipjax as gj
-    >>> tx = optax.chain(gj.gossip_sgd(gj.topology.ring(8), learning_rate=0.1), gj.periodic_average(16))
-
   Args:
     every: H, the period of the global average.
     backend: where the nodes live (default: simulate); provides the all-reduce.
+
+  Returns:
+    An optax transform of updates, to chain after a gossip method (its ``update`` needs
+    ``params``), whose state is a `PeriodicAverageState`.
+
+  Example:
+    Every second step ends in the global average (here with zero gradients: one gossip
+    round, then the average):
+
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> tx = optax.chain(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1), gj.periodic_average(2))
+    >>> x = jnp.arange(4.0)[:, None]
+    >>> state = tx.init(x)
+    >>> for _ in range(2):
+    ...   u, state = tx.update(jnp.zeros_like(x), state, x)
+    ...   x = x + u
+    ...   print([round(float(v), 4) for v in x.ravel()])
+    [1.3333, 1.0, 2.0, 1.6667]
+    [1.5, 1.5, 1.5, 1.5]
+
+  References:
+    Chen, Yuan, Zhang, Pan, Xu, Yin (2021), Accelerating Gossip SGD with Periodic Global
+    Averaging, ICML.
   """
   every = check_period(every, "gj.periodic_average")
   backend = resolve_backend(backend)

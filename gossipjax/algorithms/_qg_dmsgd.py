@@ -15,6 +15,13 @@ from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 
 
 class QGMomentumState(NamedTuple):
+  """State of `qg_dmsgd`.
+
+  Attributes:
+    count: int32 scalar, the number of steps taken (the schedule's step and W's index).
+    momentum: the quasi-global momentum ``m_hat_i`` of every node, shaped like the params.
+  """
+
   count: jax.Array
   momentum: Any  # the quasi-global momentum m_hat_i
 
@@ -51,6 +58,27 @@ def qg_dmsgd(
       Algorithm 1; the authors' code uses ``mu = 0.1`` whatever ``beta`` is, so the two
       agree only at ``beta = 0.9``: pass ``mu=0.1`` to match that code.
     backend: where the nodes live (default: simulate).
+
+  Returns:
+    An optax transform over node-stacked params (its ``update`` needs ``params``) whose
+    state is a `QGMomentumState`.
+
+  Example:
+    With a zero gradient the first step is one gossip round, and the momentum becomes
+    ``(1 - mu)`` times the displacement per unit learning rate, ``(x^0 - x^1) / \gamma``:
+
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.qg_dmsgd(gj.topology.ring(4), beta=0.9, learning_rate=0.1)
+    >>> x = jnp.arange(4.0)[:, None]
+    >>> u, state = tx.update(jnp.zeros_like(x), tx.init(x), x)
+    >>> [round(float(v), 4) for v in (x + u).ravel()]
+    [1.3333, 1.0, 2.0, 1.6667]
+    >>> [round(float(v), 4) for v in state.momentum.ravel()]
+    [-1.3333, 0.0, 0.0, 1.3333]
+
+  References:
+    Lin, Karimireddy, Stich, Jaggi (2021), Quasi-Global Momentum: Accelerating Decentralized
+    Deep Learning on Heterogeneous Data, ICML.
   """
   check_learning_rate(learning_rate, "gj.qg_dmsgd")
   check_momentum(beta, "gj.qg_dmsgd")

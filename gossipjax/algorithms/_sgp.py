@@ -15,6 +15,15 @@ from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 
 
 class SGPState(NamedTuple):
+  """State of `sgp`.
+
+  Attributes:
+    count: int32 scalar, the number of steps taken (the schedule's step and P's index).
+    push_weight: (nodes,) the push-sum weights ``w_i`` (``w^0 = 1``); the params are
+      ``z_i / w_i``.
+    momentum: the local momentum ``u_i`` of every node, shaped like the params.
+  """
+
   count: jax.Array
   push_weight: jax.Array  # (nodes,) the push-sum weights w_i; params are z_i / w_i
   momentum: Any
@@ -53,6 +62,10 @@ def sgp(
     beta: local momentum coefficient (0: plain SGP).
     backend: where the nodes live (default: simulate).
 
+  Returns:
+    An optax transform over node-stacked params (its ``update`` needs ``params``, the
+    de-biased ``x_i``) whose state is an `SGPState`.
+
   Example:
     >>> import jax.numpy as jnp, gossipjax as gj
     >>> tx = gj.sgp(gj.topology.one_peer_directed_exponential(4), learning_rate=0.1)
@@ -63,6 +76,13 @@ def sgp(
     ...   x = x + u
     >>> x.ravel().tolist()
     [1.5, 1.5, 1.5, 1.5]
+
+  References:
+    Assran, Loizou, Ballas, Rabbat (2019), Stochastic Gradient Push for Distributed Deep
+    Learning, ICML.
+
+    Kempe, Dobra, Gehrke (2003), Gossip-Based Computation of Aggregate Information, FOCS
+    (push-sum).
   """
   check_learning_rate(learning_rate, "gj.sgp")
   check_momentum(beta, "gj.sgp")
