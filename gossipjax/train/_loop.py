@@ -21,7 +21,36 @@ from gossipjax.train._placement import Placement
 
 @dataclasses.dataclass
 class RunConfig:
-  """One training run. Plain values only, so it can be written to JSON."""
+  """One training run. Plain values only, so it can be written to JSON.
+
+  Attributes:
+    algorithm: a name in `gossipjax.train.ALGORITHMS` (``"dmsgd"``, ``"allreduce"``, ...).
+    topology: a name in `gossipjax.train.TOPOLOGIES`, or ``None`` for the algorithms that
+      need none (``allreduce``, ``easgd``).
+    num_nodes: n, the number of simulated nodes.
+    steps: training steps (a multiple of ``log_every``; the loop runs whole chunks).
+    batch_size: samples per node per step.
+    learning_rate: the step size gamma.
+    beta: the momentum of the algorithms that take one.
+    partition: how the training set is split over nodes: ``"iid"``, ``"dirichlet"``
+      (`gossipjax.data.partition_dirichlet` with ``alpha``) or ``"by_class"``
+      (`gossipjax.data.partition_by_class` with ``classes_per_node``).
+    alpha: the Dirichlet concentration of the ``"dirichlet"`` partition.
+    classes_per_node: the classes per node of the ``"by_class"`` partition.
+    hidden: the hidden widths of the ``"mlp"`` model.
+    seed: seed of the partition, the initialisation and the minibatches.
+    log_every: steps per jitted chunk; one metrics row per chunk.
+    max_bad_steps: a node whose gradient is NaN/inf this many steps in a row stops the
+      run (0: never).
+    model: ``"mlp"`` or ``"cnn"``, as the main job names them.
+    backend: ``"simulate"``, ``"sharded"`` or ``"mpi"``, as the main job names them.
+
+  Example:
+    >>> from gossipjax import train
+    >>> cfg = train.RunConfig(algorithm="dpsgd", topology="torus", num_nodes=16)
+    >>> cfg.name, cfg.steps
+    ('dpsgd/torus', 500)
+  """
 
   algorithm: str = "dmsgd"
   topology: str | None = "ring"
@@ -42,6 +71,7 @@ class RunConfig:
 
   @property
   def name(self) -> str:
+    """``algorithm/topology`` (or the algorithm alone when it needs no topology): the run's label."""
     return self.algorithm if self.topology is None else f"{self.algorithm}/{self.topology}"
 
 
@@ -56,16 +86,62 @@ def partition(labels: np.ndarray, cfg: RunConfig) -> list[np.ndarray]:
 
 
 def cross_entropy(apply_fn: Callable, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+  """The mean softmax cross-entropy of a classifier on a batch with integer labels.
+
+  Args:
+    apply_fn: ``apply_fn(params, x) -> logits`` of shape (batch, classes), e.g. a flax
+      module's ``apply``.
+    params: the params of one model (no node axis).
+    x: the inputs, (batch, ...).
+    y: int labels, (batch,).
+
+  Returns:
+    The loss, a float scalar.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from gossipjax import train
+    >>> loss = train.cross_entropy(lambda p, x: x @ p, jnp.eye(3), jnp.eye(3), jnp.array([0, 1, 2]))
+    >>> round(float(loss), 4)  # log(1 + 2 / e)
+    0.5514
+  """
   return optax.softmax_cross_entropy_with_integer_labels(apply_fn(params, x), y).mean()
 
 
 def accuracy(apply_fn: Callable, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+  """The share of a batch whose highest logit is the label.
+
+  Args:
+    apply_fn: ``apply_fn(params, x) -> logits`` of shape (batch, classes).
+    params: the params of one model (no node axis).
+    x: the inputs, (batch, ...).
+    y: int labels, (batch,).
+
+  Returns:
+    The accuracy in [0, 1], a float scalar.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from gossipjax import train
+    >>> acc = train.accuracy(lambda p, x: x @ p, jnp.eye(3), jnp.eye(3), jnp.array([0, 1, 1]))
+    >>> round(float(acc), 4)
+    0.6667
+  """
   return jnp.mean(jnp.argmax(apply_fn(params, x), axis=-1) == y)
 
 
 @dataclasses.dataclass
 class TrainState:
-  """Everything a run needs to continue: a checkpoint of this resumes exactly."""
+  """Everything a run needs to continue: a checkpoint of this resumes exactly.
+
+  The data position is the step counter (`run` draws step k's minibatches from the
+  step), so no data-loader state is needed.
+
+  Attributes:
+    step: the training steps taken.
+    params: the nodes' params this process holds (leading node axis).
+    opt_state: the optimizer's state (``tx`` behind `guarded`).
+  """
 
   step: int
   params: Any
@@ -73,13 +149,51 @@ class TrainState:
 
 
 def guarded(tx: optax.GradientTransformation, cfg: RunConfig) -> optax.GradientTransformation:
-  """``tx`` behind `gj.guard_finite`: a node with a NaN/inf gradient skips its step."""
+  """``tx`` behind `gj.guard_finite`: a node with a NaN/inf gradient skips its step.
+
+  Args:
+    tx: the stacked-node optimizer.
+    cfg: the run; ``cfg.max_bad_steps`` is the streak of skipped steps at which
+      `gj.check_guard` raises (0: never).
+
+  Returns:
+    The guarded transform; its state is a `gj.GuardFiniteState`.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> from gossipjax import train
+    >>> tx = train.guarded(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1), train.RunConfig())
+    >>> x = jnp.zeros((4, 2))
+    >>> _, state = tx.update(jnp.ones((4, 2)).at[2, 0].set(jnp.nan), tx.init(x), x)
+    >>> gj.nonfinite_counts(state).tolist()
+    [0, 0, 1, 0]
+  """
   return guard_finite(tx, max_consecutive=cfg.max_bad_steps or None)
 
 
 def init_state(cfg: RunConfig, dataset: Dataset, model: Any, tx: optax.GradientTransformation,
                backend: Backend | None = None) -> TrainState:
-  """Step 0: every node starts from the same initialisation, placed where ``backend`` keeps it."""
+  """Step 0: every node starts from the same initialisation, placed where ``backend`` keeps it.
+
+  Args:
+    cfg: the run (``num_nodes``, ``seed``, ``max_bad_steps``).
+    dataset: the data set; one test input fixes the model's input shape.
+    model: a flax module (`MLP`, `CNN`, or any with ``init`` and ``apply``).
+    tx: the stacked-node optimizer (it is wrapped by `guarded`, as `run` does).
+    backend: where the nodes live (default: ``gj.backend.simulate()``).
+
+  Returns:
+    A `TrainState` at step 0.
+
+  Example:
+    >>> import jax, gossipjax as gj
+    >>> from gossipjax import train
+    >>> cfg = train.RunConfig(algorithm="dpsgd", num_nodes=4, hidden=(16,))
+    >>> tx = gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1)
+    >>> state = train.init_state(cfg, gj.data.load_digits(), train.MLP(hidden=(16,)), tx)
+    >>> state.step, state.params["params"]["Dense_0"]["kernel"].shape
+    (0, (4, 64, 16))
+  """
   tx = guarded(tx, cfg)
   key = jax.random.fold_in(jax.random.key(cfg.seed), 0)
   params = init_nodes(lambda k: model.init(k, jnp.asarray(dataset.x_test[:1])), key, cfg.num_nodes)
@@ -107,7 +221,12 @@ def run(
   in a row (checked after every ``cfg.log_every`` steps).
 
   Args:
+    cfg: the run: nodes, steps, batch size, partition, seed, ``log_every``.
+    dataset: the data set; its training part is partitioned over the nodes, its test
+      part scores the mean model and every node's model.
+    model: a flax module (`MLP`, `CNN`, or any with ``init`` and ``apply``).
     tx: built for ``backend`` (e.g. ``gj.gossip_sgd(W, ..., backend=backend)``).
+    progress: called with ``cfg.log_every`` after every chunk (a progress bar's ``update``).
     state: where to start (default: `init_state`); a restored checkpoint continues from it.
     on_chunk: called with the state and the metrics rows so far after every chunk
       (the main job saves checkpoints there).
@@ -116,7 +235,27 @@ def run(
       metrics are of all n nodes on every backend.
 
   Returns:
-    The final state (this process's nodes) and one metrics row per ``cfg.log_every`` steps.
+    The final state (this process's nodes) and one metrics row per ``cfg.log_every`` steps:
+    ``step``, ``train_loss`` (mean over nodes and the chunk), ``consensus_distance``,
+    ``test_loss`` and ``test_accuracy`` of the mean model, ``node_accuracy_mean`` and
+    ``node_accuracy_min`` over the nodes' own models, and ``skipped_node_steps``.
+
+  Raises:
+    FloatingPointError: a node skipped ``cfg.max_bad_steps`` steps in a row, or the
+      params became non-finite.
+
+  Example:
+    D-PSGD on a ring of 4 nodes, 20 steps on the bundled digits:
+
+    >>> import gossipjax as gj
+    >>> from gossipjax import train
+    >>> cfg = train.RunConfig(algorithm="dpsgd", num_nodes=4, steps=20, log_every=10, hidden=(16,))
+    >>> tx = train.make_algorithm("dpsgd", train.make_topology("ring", 4), cfg.learning_rate, cfg.beta)
+    >>> state, history = train.run(cfg, gj.data.load_digits(), train.MLP(hidden=(16,)), tx)
+    >>> state.step, [row["step"] for row in history]
+    (20, [10, 20])
+    >>> history[-1]["train_loss"] < history[0]["train_loss"]
+    True
   """
   backend = backend or simulate()
   placement = Placement(backend, cfg.num_nodes)
@@ -174,6 +313,28 @@ def run(
 
 
 def timed_run(cfg: RunConfig, dataset: Dataset, model: Any, tx: optax.GradientTransformation, **kwargs):
+  """`run`, timed: the wall-clock seconds include compilation and metrics.
+
+  Args:
+    cfg: the run.
+    dataset: the data set.
+    model: a flax module.
+    tx: the stacked-node optimizer.
+    **kwargs: the other arguments of `run` (``progress``, ``state``, ``on_chunk``,
+      ``backend``).
+
+  Returns:
+    ``(state, history, seconds)``: `run`'s two results and the seconds it took.
+
+  Example:
+    >>> import gossipjax as gj
+    >>> from gossipjax import train
+    >>> cfg = train.RunConfig(algorithm="allreduce", topology=None, num_nodes=4, steps=5, log_every=5, hidden=(8,))
+    >>> tx = train.make_algorithm("allreduce", None, 0.1, 0.0)
+    >>> state, history, seconds = train.timed_run(cfg, gj.data.load_digits(), train.MLP(hidden=(8,)), tx)
+    >>> len(history), seconds > 0
+    (1, True)
+  """
   t0 = time.perf_counter()
   state, history = run(cfg, dataset, model, tx, **kwargs)
   return state, history, time.perf_counter() - t0

@@ -9,7 +9,22 @@ import jax.numpy as jnp
 
 
 class MLP(nn.Module):
-  """A ReLU multi-layer perceptron on flattened inputs."""
+  """A ReLU multi-layer perceptron on flattened inputs.
+
+  Inputs of shape (batch, ...) are flattened to (batch, features) first.
+
+  Attributes:
+    hidden: the widths of the hidden layers.
+    num_classes: outputs of the last layer (the logits).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from gossipjax import train
+    >>> model = train.MLP(hidden=(8,), num_classes=3)
+    >>> params = model.init(jax.random.key(0), jnp.zeros((1, 5)))
+    >>> model.apply(params, jnp.zeros((2, 5))).shape
+    (2, 3)
+  """
 
   hidden: Sequence[int] = (64,)
   num_classes: int = 10
@@ -30,6 +45,16 @@ class CNN(nn.Module):
     num_classes: outputs of the head.
     image_shape: ``(height, width, channels)`` to unflatten inputs given as ``(..., features)``
       (the bundled digits are 64 features, ``(8, 8, 1)``); ``None`` when inputs are images.
+
+  Example:
+    The bundled digits, given flat:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from gossipjax import train
+    >>> model = train.CNN(features=(4,), image_shape=(8, 8, 1))
+    >>> params = model.init(jax.random.key(0), jnp.zeros((1, 64)))
+    >>> model.apply(params, jnp.zeros((2, 64))).shape
+    (2, 10)
   """
 
   features: Sequence[int] = (8, 16)

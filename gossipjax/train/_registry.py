@@ -21,6 +21,9 @@ def _square_factors(n: int) -> tuple[int, int]:
   return r, n // r
 
 
+#: The topologies by the names the command line and configs use: ``name -> (n -> Topology)``.
+#: ``torus`` and ``grid`` take the most square factorisation of n; ``grid`` and ``star`` use
+#: Metropolis weights.
 TOPOLOGIES: dict[str, Callable[[int], T.Topology]] = {
     "ring": T.ring,
     "exponential": T.exponential,
@@ -60,7 +63,9 @@ class AlgorithmOptions:
   average_every: int = 10
 
 
-# (topology or None, learning rate, beta, backend, options) -> optax transform. None: needs no topology.
+#: The algorithms by the names the command line and configs use: ``name -> (topology or None,
+#: learning rate, beta, backend, options) -> optax transform``; ``allreduce`` and ``easgd``
+#: take no topology. Build one with `make_algorithm`.
 ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "allreduce": lambda topo, lr, beta, be, o: gj.allreduce_sgd(beta, learning_rate=lr, backend=be),
     "dpsgd": lambda topo, lr, beta, be, o: gj.gossip_sgd(topo, beta=0.0, learning_rate=lr, backend=be),
@@ -88,6 +93,25 @@ NEEDS_NO_TOPOLOGY = frozenset({"allreduce", "easgd"})
 
 
 def make_topology(name: str, n: int) -> T.Topology:
+  """The topology named ``name`` (a key of `TOPOLOGIES`) on ``n`` nodes.
+
+  Args:
+    name: ``"ring"``, ``"exponential"``, ``"torus"``, ... (the keys of `TOPOLOGIES`).
+    n: the number of nodes.
+
+  Returns:
+    The `gossipjax.topology.Topology`.
+
+  Raises:
+    ValueError: ``name`` is not a key of `TOPOLOGIES`.
+
+  Example:
+    >>> from gossipjax import train
+    >>> print(train.make_topology("ring", 4).matrix()[0].round(3))
+    [0.333 0.333 0.    0.333]
+    >>> train.make_topology("torus", 12).num_nodes  # a 3 x 4 torus
+    12
+  """
   if name not in TOPOLOGIES:
     raise ValueError(f"unknown topology {name!r}; choose from {', '.join(TOPOLOGIES)}")
   return TOPOLOGIES[name](n)
@@ -95,6 +119,33 @@ def make_topology(name: str, n: int) -> T.Topology:
 
 def make_algorithm(name: str, topo: T.Topology | None, lr: optax.ScalarOrSchedule, beta: float,
                    backend: Backend | None = None, options: AlgorithmOptions | None = None):
+  """The algorithm named ``name`` (a key of `ALGORITHMS`) as an optax transform.
+
+  Args:
+    name: ``"dmsgd"``, ``"dpsgd"``, ``"allreduce"``, ``"choco"``, ... (the keys of
+      `ALGORITHMS`).
+    topo: the topology (``None`` for ``allreduce`` and ``easgd``).
+    lr: the learning rate, a float or an optax schedule.
+    beta: the momentum, for the algorithms that take one (D-PSGD ignores it).
+    backend: where the nodes live (default: simulate).
+    options: what some algorithms take beyond the learning rate and momentum (CHOCO's
+      compressor and consensus step, the period of periodic global averaging).
+
+  Returns:
+    An ``optax.GradientTransformation`` over stacked (node-axis) params.
+
+  Raises:
+    ValueError: ``name`` is not a key of `ALGORITHMS`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from gossipjax import train
+    >>> tx = train.make_algorithm("dmsgd", train.make_topology("ring", 4), 0.1, 0.9)
+    >>> x = jnp.ones((4, 3))
+    >>> updates, _ = tx.update(x, tx.init(x), x)
+    >>> optax.apply_updates(x, updates).shape
+    (4, 3)
+  """
   if name not in ALGORITHMS:
     raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
   return ALGORITHMS[name](topo, lr, beta, backend, options or AlgorithmOptions())

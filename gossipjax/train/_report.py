@@ -8,7 +8,24 @@ from typing import Any
 
 
 def result_table(results: dict[str, dict[str, Any]]) -> str:
-  """A markdown table: one row per run, final metrics."""
+  """A markdown table: one row per run, final metrics.
+
+  Args:
+    results: ``{run name: {"history": metrics rows of `run`, "seconds": float}}``; the
+      last row of each history is reported.
+
+  Returns:
+    The table as a markdown string.
+
+  Example:
+    >>> from gossipjax import train
+    >>> row = {"train_loss": 0.5, "test_accuracy": 0.9, "node_accuracy_mean": 0.88,
+    ...        "node_accuracy_min": 0.8, "consensus_distance": 1e-3}
+    >>> print(train.result_table({"dpsgd/ring": {"history": [row], "seconds": 1.5}}))
+    | run | train loss | test acc (mean model) | node acc mean | node acc min | consensus dist | seconds |
+    |---|---|---|---|---|---|---|
+    | dpsgd/ring | 0.5000 | 0.9000 | 0.8800 | 0.8000 | 1.000e-03 | 1.5 |
+  """
   head = ["run", "train loss", "test acc (mean model)", "node acc mean", "node acc min", "consensus dist", "seconds"]
   rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for name, r in results.items():
@@ -21,6 +38,25 @@ def result_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def write_metrics(path: str, config: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
+  """Writes ``{"config": config, "runs": results}`` as JSON, atomically (a temporary file renamed).
+
+  Args:
+    path: the JSON file (its directory is created if missing).
+    config: the job's configuration, plain values.
+    results: the runs, plain values (as `result_table` takes them).
+
+  Returns:
+    None.
+
+  Example:
+    >>> import json, os, tempfile
+    >>> from gossipjax import train
+    >>> path = os.path.join(tempfile.mkdtemp(), "out", "metrics.json")
+    >>> train.write_metrics(path, {"steps": 20}, {"dpsgd/ring": {"seconds": 1.5}})
+    >>> with open(path) as f:
+    ...   json.load(f)["runs"]
+    {'dpsgd/ring': {'seconds': 1.5}}
+  """
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
@@ -50,6 +86,25 @@ def plot(path: str, results: dict[str, dict[str, Any]], title: str = "") -> None
   One colour per algorithm (its legend entry gives the momentum it runs with) and one line
   style per topology. Runs at exact consensus (AllReduce) are left off the consensus panel's
   log axis, and the panel says so.
+
+  Args:
+    path: the image file to write (its format from the suffix, e.g. ``.png``).
+    results: ``{run name: {"history": metrics rows of `run`, "config": RunConfig as a
+      dict}}``; without a config, the run's name stands for its algorithm.
+    title: the figure's title.
+
+  Returns:
+    None.
+
+  Example:
+    >>> import os, tempfile
+    >>> from gossipjax import train
+    >>> rows = [{"step": s, "train_loss": 2.0 / s, "consensus_distance": 0.1 / s, "test_accuracy": 0.5}
+    ...         for s in (10, 20)]
+    >>> path = os.path.join(tempfile.mkdtemp(), "runs.png")
+    >>> train.plot(path, {"dpsgd/ring": {"history": rows, "config": {"algorithm": "dpsgd", "topology": "ring"}}})
+    >>> os.path.getsize(path) > 0
+    True
   """
   import matplotlib
 
