@@ -34,9 +34,21 @@ class SkipNodes:
   `zero_skipped`, which records that the skip was handled there; the guard then leaves the
   mixed updates as they are. Python state set while tracing, so it costs nothing at run time.
 
+  Args:
+    mask: bool (nodes,), True for the nodes that skip this step.
+
   Attributes:
     mask: bool (nodes,), True for the nodes that skip this step.
     handled: whether a transform has zeroed their updates before mixing.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> skip = gj.SkipNodes(jnp.array([False, True, False, False]))
+    >>> skip.handled
+    False
+    >>> _ = gj.zero_skipped(jnp.ones((4, 2)), skip)  # what gj.mix does before it mixes
+    >>> skip.handled
+    True
   """
 
   def __init__(self, mask: jax.Array):
@@ -147,6 +159,13 @@ def guard_finite(inner: optax.GradientTransformation,
     max_consecutive: the streak of skipped steps at which `check_guard` raises; ``None``
       or 0 never raises.
 
+  Returns:
+    An optax transform with the same updates as ``inner`` for the nodes whose gradient and
+    update are finite, whose state is a `GuardFiniteState` around ``inner``'s.
+
+  Raises:
+    ValueError: ``max_consecutive`` is not a non-negative integer or ``None``.
+
   Example:
     >>> import jax.numpy as jnp, gossipjax as gj
     >>> tx = gj.guard_finite(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1))
@@ -205,7 +224,24 @@ def _find_guard_state(state: Any) -> GuardFiniteState:
 def nonfinite_counts(state: Any) -> np.ndarray:
   """Per node, how many steps `guard_finite` skipped for a NaN/inf gradient or update (a host NumPy array).
 
-  ``state`` is the optimizer state, or any tree holding exactly one `guard_finite` state.
+  Args:
+    state: the optimizer state, or any tree holding exactly one `guard_finite` state.
+
+  Returns:
+    An int32 NumPy array of shape (nodes,): the skipped steps of every node so far.
+
+  Raises:
+    ValueError: ``state`` holds no `guard_finite` state, or more than one.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> tx = optax.chain(optax.scale(2.0), gj.guard_finite(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1)))
+    >>> x = jnp.zeros((4, 1))
+    >>> state = tx.init(x)
+    >>> for g in (jnp.ones((4, 1)).at[2].set(jnp.nan), jnp.ones((4, 1)).at[2:].set(jnp.inf)):
+    ...   _, state = tx.update(g, state, x)
+    >>> gj.nonfinite_counts(state).tolist()  # found inside the chain's state
+    [0, 0, 2, 1]
   """
   return np.asarray(_find_guard_state(state).nonfinite_count)
 
@@ -221,6 +257,22 @@ def check_guard(state: Any, step: int, first_node: int = 0) -> None:
     state: the optimizer state (holding one `guard_finite` state).
     step: the step just taken, for the message.
     first_node: the global index of the first local node (MPI ranks hold a block of nodes).
+
+  Raises:
+    FloatingPointError: a node's streak of skipped steps reached ``max_consecutive``.
+    ValueError: ``state`` holds no `guard_finite` state, or more than one.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> tx = gj.guard_finite(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1), max_consecutive=2)
+    >>> x, g = jnp.zeros((4, 1)), jnp.ones((4, 1)).at[3].set(jnp.nan)
+    >>> state = tx.init(x)
+    >>> for step in range(2):
+    ...   _, state = tx.update(g, state, x)
+    ...   gj.check_guard(state, step)
+    Traceback (most recent call last):
+    ...
+    FloatingPointError: node 3 had a NaN/inf gradient or update at 2 consecutive steps, the last at step 1 ...
   """
   guard = _find_guard_state(state)
   limit = int(guard.max_consecutive)

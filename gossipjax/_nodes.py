@@ -22,6 +22,12 @@ def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: i
     same_init: every node starts from ``init_fn(key)`` (the usual choice: consensus at
       step 0); ``False`` gives each node its own ``init_fn(fold_in(key, i))``.
 
+  Returns:
+    ``init_fn``'s params with a leading axis of size ``num_nodes`` on every leaf.
+
+  Raises:
+    ValueError: ``num_nodes`` is not a positive integer.
+
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
     >>> p = gj.init_nodes(lambda k: {"w": jax.random.normal(k, (3,))}, jax.random.key(0), 4)
@@ -38,12 +44,46 @@ def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: i
 
 
 def node_mean(tree: Any) -> Any:
-  """The average model: the mean over the node axis of every leaf."""
+  """The average model: the mean over the node axis of every leaf.
+
+  Args:
+    tree: a pytree whose leaves carry a leading node axis.
+
+  Returns:
+    ``tree`` with the node axis averaged out of every leaf (one model).
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> gj.node_mean({"w": jnp.array([[0.0, 2.0], [2.0, 4.0]])})["w"].tolist()
+    [1.0, 3.0]
+  """
   return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
 
 
 def consensus_distance(tree: Any) -> jax.Array:
-  r"""``(1/n) \sum_i ||x_i - \bar x||^2``, summed over all leaves."""
+  r"""How far the nodes are from agreeing: the mean squared distance to the average model.
+
+  .. math::
+    \Xi = \frac{1}{n} \sum_i \|x_i - \bar x\|^2, \qquad \bar x = \frac{1}{n} \sum_i x_i,
+
+  summed over all leaves.
+
+  Args:
+    tree: a pytree whose leaves carry a leading node axis of size n.
+
+  Returns:
+    A scalar array, 0 exactly when every node holds the same model.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> x = {"w": jnp.array([[0.0, 2.0], [2.0, 4.0]])}  # each node is at distance^2 2 from [1, 3]
+    >>> float(gj.consensus_distance(x))
+    2.0
+
+  References:
+    Kong, Lin, Koloskova, Jaggi, Stich (2021), Consensus Control for Decentralized Deep
+    Learning, ICML.
+  """
   def leaf(x):
     d = x - jnp.mean(x, axis=0, keepdims=True)
     return jnp.sum(d * d) / x.shape[0]
@@ -52,7 +92,19 @@ def consensus_distance(tree: Any) -> jax.Array:
 
 
 def nonfinite_nodes(tree: Any) -> np.ndarray:
-  """Indices of the nodes with a NaN or inf anywhere in their params (host-side check)."""
+  """Indices of the nodes with a NaN or inf anywhere in their params (host-side check).
+
+  Args:
+    tree: a pytree whose leaves carry a leading node axis.
+
+  Returns:
+    A NumPy integer array of the node indices, in increasing order (empty when all finite).
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> gj.nonfinite_nodes(jnp.array([[1.0, 2.0], [jnp.nan, 0.0], [0.0, jnp.inf]])).tolist()
+    [1, 2]
+  """
   bad = None
   for x in jax.tree.leaves(tree):
     b = ~jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
@@ -61,7 +113,23 @@ def nonfinite_nodes(tree: Any) -> np.ndarray:
 
 
 def check_finite(tree: Any, step: int, what: str = "params") -> None:
-  """Raises ``FloatingPointError`` naming the nodes and the step where ``tree`` is not finite."""
+  """Raises ``FloatingPointError`` naming the nodes and the step where ``tree`` is not finite.
+
+  Args:
+    tree: a pytree whose leaves carry a leading node axis.
+    step: the step, for the message.
+    what: what ``tree`` is, for the message.
+
+  Raises:
+    FloatingPointError: a node has a NaN or inf in some leaf.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> gj.check_finite(jnp.array([[1.0], [jnp.nan], [2.0]]), step=7)
+    Traceback (most recent call last):
+    ...
+    FloatingPointError: params of node(s) 1 became NaN/inf at step 7 (1 node(s) in all)
+  """
   bad = nonfinite_nodes(tree)
   if bad.size:
     shown = ", ".join(map(str, bad[:10])) + (" ..." if bad.size > 10 else "")
@@ -69,12 +137,46 @@ def check_finite(tree: Any, step: int, what: str = "params") -> None:
 
 
 def evaluate_nodes(metric_fn: Callable[[Any, Any], Any], params: Any, batch: Any) -> Any:
-  """``metric_fn(params_i, batch)`` for every node i on the same batch (vmapped)."""
+  """``metric_fn(params_i, batch)`` for every node i on the same batch (vmapped).
+
+  Args:
+    metric_fn: ``(params, batch) -> metric`` for one node's params.
+    params: node-stacked params (a leading node axis on every leaf).
+    batch: one batch, shared by every node.
+
+  Returns:
+    The metric of every node, with a leading node axis.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> loss = lambda w, b: jnp.mean((b["x"] * w - b["y"]) ** 2)
+    >>> batch = {"x": jnp.array([1.0, 2.0]), "y": jnp.array([2.0, 4.0])}  # y = 2 x
+    >>> gj.evaluate_nodes(loss, jnp.array([1.0, 3.0]), batch).tolist()
+    [2.5, 2.5]
+  """
   return jax.vmap(metric_fn, in_axes=(0, None))(params, batch)
 
 
 def evaluate_mean(metric_fn: Callable[[Any, Any], Any], params: Any, batch: Any) -> Any:
-  """``metric_fn`` of the average model on ``batch``."""
+  """``metric_fn`` of the average model on ``batch``.
+
+  Args:
+    metric_fn: ``(params, batch) -> metric`` for one node's params.
+    params: node-stacked params (a leading node axis on every leaf).
+    batch: one batch.
+
+  Returns:
+    ``metric_fn(node_mean(params), batch)``.
+
+  Example:
+    The average of two models can be better than either (compare `evaluate_nodes`):
+
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> loss = lambda w, b: jnp.mean((b["x"] * w - b["y"]) ** 2)
+    >>> batch = {"x": jnp.array([1.0, 2.0]), "y": jnp.array([2.0, 4.0])}  # y = 2 x
+    >>> float(gj.evaluate_mean(loss, jnp.array([1.0, 3.0]), batch))
+    0.0
+  """
   return metric_fn(node_mean(params), batch)
 
 
