@@ -141,6 +141,18 @@ class TrainState:
     step: the training steps taken.
     params: the nodes' params this process holds (leading node axis).
     opt_state: the optimizer's state (``tx`` behind `guarded`).
+
+  Example:
+    Saved as a dict of its fields, and given back to `run` as ``state`` to continue:
+
+    >>> import tempfile, jax.numpy as jnp, gossipjax as gj
+    >>> from gossipjax import train
+    >>> state = train.TrainState(step=40, params=jnp.ones((4, 3)), opt_state=(jnp.zeros((4, 3)),))
+    >>> d = tempfile.mkdtemp()
+    >>> _ = gj.checkpoint.save(d, vars(state), step=state.step)
+    >>> back = train.TrainState(**gj.checkpoint.restore(d, like=vars(state)))
+    >>> back.step, back.params.shape
+    (40, (4, 3))
   """
 
   step: int
