@@ -19,12 +19,48 @@ from gossipjax.topology._topology import Stochasticity
 
 
 def resolve_backend(backend: Backend | None) -> Backend:
-  """The backend a transform runs on: the one given, else ``gj.backend.simulate()``."""
+  """The backend a transform runs on: the one given, else ``gj.backend.simulate()``.
+
+  Args:
+    backend: a backend (``gj.backend.*``), or ``None``.
+
+  Returns:
+    ``backend``, or a new ``gj.backend.simulate()`` when it is ``None``.
+
+  Example:
+    >>> import gossipjax as gj
+    >>> gj.mixing.resolve_backend(None)
+    Simulate()
+  """
   return simulate() if backend is None else backend
 
 
 def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stochasticity = "doubly") -> Mixer:
-  """Validates the topology for what the algorithm needs and builds the backend's mixer."""
+  """Validates the topology for what the algorithm needs and builds the backend's mixer.
+
+  How an algorithm gets its gossip step: it calls ``make_mixer`` once, when the transform
+  is built, and ``mixer.mix(tree, step)`` in its ``update``; it never imports a backend.
+
+  Args:
+    topology: a ``gj.topology`` topology, a dense matrix or a networkx graph.
+    backend: where the nodes live (default: ``gj.backend.simulate()``).
+    stochastic: what the algorithm needs of W: ``"doubly"`` (rows and columns sum to 1,
+      gossip averaging), ``"column"`` (push-sum, as `gj.sgp`), ``"row"`` or ``"none"``.
+
+  Returns:
+    The backend's `Mixer` for the validated topology.
+
+  Raises:
+    ValueError: the topology is not ``stochastic`` as asked, or not connected.
+
+  Example:
+    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> mixer = gj.mixing.make_mixer(gj.topology.ring(4))
+    >>> mixer.local_nodes
+    4
+    >>> [round(float(v), 4) for v in mixer.mix(jnp.arange(4.0), 0)]  # W(0) x
+    [1.3333, 1.0, 2.0, 1.6667]
+  """
   topo = as_topology(topology).check(stochastic=stochastic)
   return resolve_backend(backend).mixer(topo)
 
@@ -45,6 +81,22 @@ def float_leaves_only(tx: optax.GradientTransformation, keep_other_updates: bool
   unchanged (for transforms of updates, such as ``mix``, that sit inside a chain, as
   optax's own transforms leave it to the chain). Params with only floating-point
   leaves go to ``tx`` as they are, so its state is unchanged.
+
+  Args:
+    tx: an optax transform over node-stacked params.
+    keep_other_updates: pass the incoming update of a non-float leaf on unchanged,
+      instead of zeroing it.
+
+  Returns:
+    A transform with extra-args support that runs ``tx`` on the float leaves only.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> tx = gj.mixing.float_leaves_only(optax.scale(-1.0))
+    >>> params = {"w": jnp.ones((4, 2)), "step": jnp.zeros((4,), jnp.int32)}
+    >>> u, _ = tx.update(params, tx.init(params), params)
+    >>> u["w"][0].tolist(), u["step"].tolist()
+    ([-1.0, -1.0], [0, 0, 0, 0])
   """
   tx = optax.with_extra_args_support(tx)
 

@@ -17,6 +17,13 @@ from gossipjax.backend._base import Backend
 
 
 class MixState(NamedTuple):
+  """State of `mix`.
+
+  Attributes:
+    count: int32 scalar, the number of steps taken; selects W(k) for time-varying
+      topologies (gossip round ``count // every``).
+  """
+
   count: jax.Array  # steps taken; selects W(k) for time-varying topologies
 
 
@@ -40,6 +47,10 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
   Under ``gj.guard_finite`` the update takes the extra arg ``skip_nodes``: those nodes'
   local updates are zeroed before mixing (they send their current params).
 
+  Returns:
+    An optax transform of updates (its ``update`` needs ``params``) whose state is a
+    `MixState`; non-float leaves' updates pass through unchanged.
+
   Example:
     >>> import jax.numpy as jnp, optax, gossipjax as gj
     >>> tx = optax.chain(optax.sgd(0.1), gj.mix(gj.topology.ring(4)))
@@ -47,6 +58,14 @@ def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.
     >>> u, _ = tx.update(jnp.zeros_like(x), tx.init(x), x)
     >>> [round(float(v), 4) for v in (x + u).ravel()]  # each node: mean of itself and its two ring neighbours
     [1.3333, 1.0, 2.0, 1.6667]
+
+  References:
+    Lian, Zhang, Zhang, Hsieh, Zhang, Liu (2017), Can Decentralized Algorithms Outperform
+    Centralized Algorithms? A Case Study for Decentralized Parallel Stochastic Gradient
+    Descent, NeurIPS (``chain(sgd(lr), mix(W))`` is its D-PSGD).
+
+    Xiao, Boyd (2004), Fast Linear Iterations for Distributed Averaging, Systems & Control
+    Letters 53(1).
   """
   every = check_period(every, "gj.mix")
   mixer = make_mixer(topology, backend)
