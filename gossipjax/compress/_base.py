@@ -25,6 +25,13 @@ class Compressor:
     unbiased: ``E[C(x)] = x`` (then ``omega(d)`` bounds the variance,
       ``E||C(x) - x||^2 <= omega(d) ||x||^2``); otherwise C is a contraction,
       ``||C(x) - x||^2 <= (1 - delta) ||x||^2`` for some ``delta > 0``.
+
+  Example:
+    >>> import gossipjax as gj
+    >>> [c.unbiased for c in (gj.compress.top_k(0.1), gj.compress.random_k(0.1), gj.compress.qsgd(4))]
+    [False, True, True]
+    >>> gj.compress.qsgd(4).contraction()  # the biased, contracting form CHOCO-SGD uses
+    QSGD(levels=4, scaled=False)
   """
 
   unbiased: ClassVar[bool] = False
@@ -84,7 +91,13 @@ def check_fraction(fraction: Any, name: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Identity(Compressor):
-  """No compression: the full-precision message (the baseline to count bits against)."""
+  """No compression: the full-precision message (the baseline to count bits against).
+
+  Example:
+    >>> import gossipjax as gj
+    >>> gj.compress.Identity() == gj.compress.identity()
+    True
+  """
 
   def _leaf(self, x, key):
     del key
@@ -95,5 +108,16 @@ class Identity(Compressor):
 
 
 def identity() -> Identity:
-  """No compression; ``bits`` is the dense message (``size * 32`` for float32)."""
+  """No compression; ``bits`` is the dense message (``size * 32`` for float32).
+
+  Returns:
+    An `Identity` compressor: ``C(x) = x``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, gossipjax as gj
+    >>> c = gj.compress.identity()
+    >>> x = jnp.array([3.0, -1.0, 0.5, -4.0], jnp.float32)
+    >>> c.compress(x, jax.random.PRNGKey(0)).tolist(), float(c.bits(x))
+    ([3.0, -1.0, 0.5, -4.0], 128.0)
+  """
   return Identity()
