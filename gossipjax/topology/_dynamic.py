@@ -21,6 +21,30 @@ def one_peer_exponential(n: int) -> Topology:
   Node i receives from ``i + 2^k``; in BlueFog's dynamic one-peer schedule it receives from
   ``i - 2^k``. The schedules are transposes of each other; BlueFog's orientation is
   `one_peer_directed_exponential`.
+
+  Args:
+    n: the number of nodes (at least 2).
+
+  Returns:
+    A time-varying, doubly stochastic `Topology` of period ``ceil(log2 n)``, named
+    ``one_peer_exponential(n)``.
+
+  Example:
+    Over one period of 4 nodes, the two steps average exactly:
+
+    >>> from gossipjax import topology as T
+    >>> g = T.one_peer_exponential(4)
+    >>> g.period, g.matrix(0)[0].tolist(), g.matrix(1)[0].tolist()
+    (2, [0.5, 0.5, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0])
+    >>> print(g.matrix(1) @ g.matrix(0))
+    [[0.25 0.25 0.25 0.25]
+     [0.25 0.25 0.25 0.25]
+     [0.25 0.25 0.25 0.25]
+     [0.25 0.25 0.25 0.25]]
+
+  References:
+    Ying, Yuan, Chen, Hu, Pan, Yin (2021), Exponential Graph is Provably Efficient for
+    Decentralized Deep Training, NeurIPS.
   """
   n = _check_n(n, "one_peer_exponential", minimum=2)
   tau = max(1, math.ceil(math.log2(n)))
@@ -35,6 +59,25 @@ def directed_exponential(n: int) -> Topology:
   each sender splits its mass ``1 / (1 + number of peers)`` ways: W is column stochastic by
   construction (push-sum's requirement). The graph is circulant, so W is also row
   stochastic; it is ``exponential(n)`` with every edge reversed.
+
+  Args:
+    n: the number of nodes.
+
+  Returns:
+    A static, doubly stochastic `Topology` named ``directed_exponential(n)``.
+
+  Example:
+    Column j lists whom node j sends to:
+
+    >>> import numpy as np
+    >>> from gossipjax import topology as T
+    >>> w = T.directed_exponential(8).matrix()
+    >>> np.flatnonzero(w[:, 0]).tolist(), float(w[:, 0].sum())
+    ([0, 1, 2, 4], 1.0)
+
+  References:
+    Assran, Loizou, Ballas, Rabbat (2019), Stochastic Gradient Push for Distributed Deep
+    Learning, ICML.
   """
   n = _check_n(n, "directed_exponential")
   return _reversed(exponential(n), f"directed_exponential({n})")
@@ -47,6 +90,25 @@ def one_peer_directed_exponential(n: int) -> Topology:
   other half, ``tau = ceil(log2 n)`` (Assran et al. 2019, Sec. 5). Column stochastic (and,
   being circulant, doubly stochastic); for n a power of 2 the product of one period is
   ``11^T / n``. It is ``one_peer_exponential(n)`` with every edge reversed.
+
+  Args:
+    n: the number of nodes (at least 2).
+
+  Returns:
+    A time-varying `Topology` of period ``ceil(log2 n)``, named
+    ``one_peer_directed_exponential(n)``.
+
+  Example:
+    Node 0 pushes half its mass to node 1, then to node 2:
+
+    >>> from gossipjax import topology as T
+    >>> g = T.one_peer_directed_exponential(4)
+    >>> g.matrix(0)[:, 0].tolist(), g.matrix(1)[:, 0].tolist()
+    ([0.5, 0.5, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0])
+
+  References:
+    Assran, Loizou, Ballas, Rabbat (2019), Stochastic Gradient Push for Distributed Deep
+    Learning, ICML.
   """
   n = _check_n(n, "one_peer_directed_exponential", minimum=2)
   return _reversed(one_peer_exponential(n), f"one_peer_directed_exponential({n})")
@@ -74,8 +136,30 @@ def random_pairs(n: int, seed: int = 0, period: int = 16) -> Topology:
       ``sendrecv`` compile one branch per matching, so a long period costs compile time
       there (the simulate backend gathers from a table instead, one program for any period).
 
+  Returns:
+    A time-varying, symmetric, doubly stochastic `Topology` of period ``period``, named
+    ``random_pairs(n, seed=seed)``.
+
   Raises:
     ValueError: if the union of the ``period`` matchings does not connect the nodes.
+
+  Example:
+    >>> from gossipjax import topology as T
+    >>> g = T.random_pairs(4, seed=0)
+    >>> g.period
+    16
+    >>> print(g.matrix(0))  # step 0 pairs nodes 0 and 2, 1 and 3
+    [[0.5 0.  0.5 0. ]
+     [0.  0.5 0.  0.5]
+     [0.5 0.  0.5 0. ]
+     [0.  0.5 0.  0.5]]
+
+  References:
+    Cui (2019), Decentralized Deep Learning with Gradient Compression, Bulletin of the
+    Graduate School of Computer and Information Sciences, Hosei University.
+
+    Boyd, Ghosh, Prabhakar, Shah (2006), Randomized Gossip Algorithms, IEEE Transactions on
+    Information Theory.
   """
   n = _check_n(n, "random_pairs", minimum=2)
   if isinstance(period, bool) or not isinstance(period, (int, np.integer)) or period < 1:

@@ -45,6 +45,32 @@ def weights_from_adjacency(adj: Any, weights: Weights = "uniform") -> np.ndarray
     weights: ``"uniform"``: 1/(in-degree + 1) over the closed in-neighbourhood, as BlueFog
       does (doubly stochastic on regular graphs); ``"metropolis"``: Metropolis-Hastings
       ``w_ij = 1 / (1 + max(d_i, d_j))``, doubly stochastic on any undirected graph.
+
+  Returns:
+    W, n x n: a NumPy array for a dense ``adj``, a ``scipy.sparse`` CSR array for a sparse
+    one. Each row sums to one (the self weight takes the rest).
+
+  Raises:
+    ValueError: ``weights`` is neither rule, or ``"metropolis"`` on a directed graph.
+
+  Example:
+    A path of three nodes, where the end nodes have one neighbour and the middle two:
+
+    >>> import numpy as np
+    >>> from gossipjax import topology as T
+    >>> adj = np.array([[0, 1, 0], [1, 0, 1], [0, 1, 0]])
+    >>> print(T.weights_from_adjacency(adj).round(3))
+    [[0.5   0.5   0.   ]
+     [0.333 0.333 0.333]
+     [0.    0.5   0.5  ]]
+    >>> print(T.weights_from_adjacency(adj, "metropolis").round(3))
+    [[0.667 0.333 0.   ]
+     [0.333 0.333 0.333]
+     [0.    0.333 0.667]]
+
+  References:
+    Xiao, Boyd, Lall (2005), A Scheme for Robust Distributed Sensor Fusion Based on
+    Average Consensus, IPSN (the Metropolis-Hastings weights).
   """
   if sp.issparse(adj):
     a = sp.coo_array(adj)
@@ -106,7 +132,24 @@ def _regular_circulant(n: int, offsets: list[int], name: str, weights: Weights) 
 
 
 def ring(n: int, weights: Weights = "uniform") -> Topology:
-  """Undirected ring: node i talks to i - 1 and i + 1 (weights 1/3 each, self 1/3)."""
+  """Undirected ring: node i talks to i - 1 and i + 1 (weights 1/3 each, self 1/3).
+
+  Args:
+    n: the number of nodes.
+    weights: ``"uniform"`` or ``"metropolis"`` (the same on a ring: every node has two
+      neighbours).
+
+  Returns:
+    A static, symmetric, doubly stochastic `Topology` named ``ring(n)``, stored as two
+    cyclic shifts.
+
+  Example:
+    >>> from gossipjax import topology as T
+    >>> print(T.ring(5).matrix()[0].round(3))
+    [0.333 0.333 0.    0.    0.333]
+    >>> round(T.rho(T.ring(8)), 4)
+    0.8047
+  """
   n = _check_n(n, "ring")
   return _regular_circulant(n, [1, -1], f"ring({n})", weights)
 
@@ -126,13 +169,48 @@ def _grid_edges(rows: int, cols: int, wrap: bool) -> tuple[np.ndarray, np.ndarra
 
 
 def grid(rows: int, cols: int, weights: Weights = "uniform") -> Topology:
-  """2D grid without wrap-around; irregular, so pass ``weights="metropolis"`` for a doubly stochastic W."""
+  """2D grid without wrap-around; irregular, so pass ``weights="metropolis"`` for a doubly stochastic W.
+
+  Node ``r * cols + c`` talks to its 2 to 4 neighbours up, down, left and right.
+
+  Args:
+    rows: rows of the grid.
+    cols: columns of the grid.
+    weights: ``"uniform"`` (1 / (degree + 1), row stochastic only) or ``"metropolis"``
+      (doubly stochastic).
+
+  Returns:
+    A static `Topology` named ``grid(rowsxcols)``.
+
+  Example:
+    The corner of a 2 x 3 grid, with Metropolis weights:
+
+    >>> from gossipjax import topology as T
+    >>> print(T.grid(2, 3, weights="metropolis").matrix()[0].round(3))
+    [0.417 0.25  0.    0.333 0.    0.   ]
+  """
   rows, cols = _check_n(rows, "grid rows"), _check_n(cols, "grid cols")
   return _from_edges(rows * cols, *_grid_edges(rows, cols, False), f"grid({rows}x{cols})", weights)
 
 
 def torus(rows: int, cols: int, weights: Weights = "uniform") -> Topology:
-  """2D torus (grid with wrap-around): 4 neighbours, weight 1/5 each when rows, cols >= 3."""
+  """2D torus (grid with wrap-around): 4 neighbours, weight 1/5 each when rows, cols >= 3.
+
+  Args:
+    rows: rows of the torus.
+    cols: columns of the torus.
+    weights: ``"uniform"`` or ``"metropolis"`` (the same when every node has 4 neighbours).
+
+  Returns:
+    A static, symmetric `Topology` named ``torus(rowsxcols)``.
+
+  Example:
+    >>> from gossipjax import topology as T
+    >>> print(T.torus(3, 3).matrix()[0].round(3))
+    [0.2 0.2 0.2 0.2 0.  0.  0.2 0.  0. ]
+    >>> round(T.rho(T.torus(4, 4)), 4)
+    0.6
+  """
   rows, cols = _check_n(rows, "torus rows"), _check_n(cols, "torus cols")
   return _from_edges(rows * cols, *_grid_edges(rows, cols, True), f"torus({rows}x{cols})", weights)
 
@@ -145,6 +223,14 @@ def star(n: int, weights: Weights = "uniform") -> Topology:
   it, scaled per leaf). Exchange rounds would need n - 1 of them, one per leaf; the rank-one
   form is O(n) and every backend applies it with one reduction, so a star of a million
   nodes builds and mixes.
+
+  Args:
+    n: the number of nodes (node 0 is the hub).
+    weights: ``"uniform"`` (1 / (degree + 1): the hub keeps 1/n, a leaf 1/2; row
+      stochastic only) or ``"metropolis"`` (doubly stochastic: each leaf gives the hub 1/n).
+
+  Returns:
+    A static `Topology` named ``star(n)``.
 
   Example:
     >>> from gossipjax import topology as T
@@ -171,6 +257,12 @@ def complete(n: int) -> Topology:
 
   The plan is one rank-one term (``u = 1``, ``v = 1/n``): an all-reduce mean on every
   backend, O(n * d) however large n is, where exchange rounds would need n - 1 shifts.
+
+  Args:
+    n: the number of nodes.
+
+  Returns:
+    A static, symmetric, doubly stochastic `Topology` named ``complete(n)``, with ``rho = 0``.
 
   Example:
     >>> from gossipjax import topology as T
@@ -205,9 +297,27 @@ def exponential(n: int, symmetric: bool = False) -> Topology:
   ``symmetric=True`` gives the undirected variant (i talks to ``i +- 2^k``), for methods
   that need a symmetric W such as DecentLaM and exact diffusion.
 
+  Args:
+    n: the number of nodes.
+    symmetric: the undirected variant.
+
+  Returns:
+    A static, doubly stochastic `Topology` named ``exponential(n)`` (or
+    ``symmetric_exponential(n)``), stored as one cyclic shift per peer.
+
+  Example:
+    >>> import numpy as np
+    >>> from gossipjax import topology as T
+    >>> np.flatnonzero(T.exponential(8).matrix()[0]).tolist()  # node 0 receives from 1, 2, 4
+    [0, 1, 2, 4]
+    >>> np.flatnonzero(T.exponential(8, symmetric=True).matrix()[0]).tolist()
+    [0, 1, 2, 4, 6, 7]
+    >>> T.rho(T.exponential(8))  # 1 - 2 / (1 + log2 8)
+    0.5
+
   References:
     Ying, Yuan, Chen, Hu, Pan, Yin (2021), Exponential Graph is Provably Efficient for
-    Decentralized Deep Training.
+    Decentralized Deep Training, NeurIPS.
   """
   n = _check_n(n, "exponential")
   peers = _exponential_peers(n)
@@ -219,7 +329,23 @@ def exponential(n: int, symmetric: bool = False) -> Topology:
 
 
 def hypercube(n: int) -> Topology:
-  """Hypercube on n = 2^d nodes: i talks to ``i XOR 2^k``, weights 1/(d + 1)."""
+  """Hypercube on n = 2^d nodes: i talks to ``i XOR 2^k``, weights 1/(d + 1).
+
+  Args:
+    n: the number of nodes, a power of 2.
+
+  Returns:
+    A static, symmetric, doubly stochastic `Topology` named ``hypercube(n)``.
+
+  Raises:
+    ValueError: ``n`` is not a power of 2.
+
+  Example:
+    >>> import numpy as np
+    >>> from gossipjax import topology as T
+    >>> np.flatnonzero(T.hypercube(8).matrix()[3]).tolist()  # 3 XOR 1, 3 XOR 2, 3 and 3 XOR 4
+    [1, 2, 3, 7]
+  """
   n = _check_n(n, "hypercube")
   if n & (n - 1):
     raise ValueError(f"hypercube: n must be a power of 2, got {n}")
@@ -238,7 +364,27 @@ def erdos_renyi(n: int, p: float, seed: int = 0, weights: Weights = "metropolis"
   that, the number of edges is drawn from its binomial law and the edges uniformly among
   the pairs, O(n + edges) (the same law, G(n, p), another sample).
 
-  Raises ``ValueError`` when the sampled graph is disconnected (raise ``p`` or change ``seed``).
+  Args:
+    n: the number of nodes.
+    p: the probability of each edge, in [0, 1].
+    seed: seed of the sample.
+    weights: ``"metropolis"`` (doubly stochastic) or ``"uniform"`` (row stochastic only).
+
+  Returns:
+    A static, symmetric `Topology` named ``erdos_renyi(n, p=p, seed=seed)``.
+
+  Raises:
+    ValueError: the sampled graph is disconnected (raise ``p`` or change ``seed``), or
+      ``p`` is outside [0, 1].
+
+  Example:
+    >>> from gossipjax import topology as T
+    >>> g = T.erdos_renyi(8, p=0.5, seed=0)
+    >>> g.check("doubly").max_degree()
+    4
+
+  References:
+    Erdős, Rényi (1959), On Random Graphs I, Publicationes Mathematicae Debrecen.
   """
   n = _check_n(n, "erdos_renyi")
   if not 0.0 <= p <= 1.0:
@@ -273,7 +419,29 @@ def erdos_renyi(n: int, p: float, seed: int = 0, weights: Weights = "metropolis"
 
 
 def from_adjacency(adj: Any, weights: Weights = "uniform", name: str | None = None) -> Topology:
-  """Topology from a 0/1 adjacency (``adj[i, j]``: i receives from j), dense or ``scipy.sparse``, or a networkx graph."""
+  """Topology from a 0/1 adjacency (``adj[i, j]``: i receives from j), dense or ``scipy.sparse``, or a networkx graph.
+
+  Args:
+    adj: the n x n adjacency (non-zero entries are edges; the diagonal is ignored), or a
+      networkx graph (see `from_networkx`).
+    weights: ``"uniform"`` or ``"metropolis"``, as in `weights_from_adjacency`.
+    name: the topology's name (default ``graph(n)``).
+
+  Returns:
+    A static `Topology` with the weights of `weights_from_adjacency`.
+
+  Raises:
+    ValueError: the adjacency is not square.
+
+  Example:
+    >>> import numpy as np
+    >>> from gossipjax import topology as T
+    >>> path = T.from_adjacency(np.array([[0, 1, 0], [1, 0, 1], [0, 1, 0]]), name="path(3)")
+    >>> print(path.matrix().round(3))
+    [[0.5   0.5   0.   ]
+     [0.333 0.333 0.333]
+     [0.    0.5   0.5  ]]
+  """
   if _is_networkx(adj):
     return from_networkx(adj, weights=weights)
   if sp.issparse(adj):
@@ -294,6 +462,25 @@ def from_matrix(w: Any, name: str = "custom") -> Topology:
 
   Each W may be dense or ``scipy.sparse``. Entries are checked (finite, non-negative);
   stochasticity is checked by each algorithm for what it needs (``Topology.check``).
+
+  Args:
+    w: an n x n matrix (rows receive), a (period, n, n) stack or a sequence of matrices.
+    name: the topology's name.
+
+  Returns:
+    A `Topology`, time-varying when ``w`` holds several matrices.
+
+  Raises:
+    ValueError: a matrix is not square, the sizes differ, or an entry is non-finite or
+      negative.
+
+  Example:
+    >>> import numpy as np
+    >>> from gossipjax import topology as T
+    >>> T.from_matrix(np.full((3, 3), 1 / 3), name="average(3)")
+    Topology(average(3), n=3, static)
+    >>> T.from_matrix([np.eye(2), np.full((2, 2), 0.5)]).period
+    2
   """
   return Topology(w, name=name)
 
@@ -302,6 +489,21 @@ def from_networkx(graph: Any, weights: Weights = "uniform") -> Topology:
   """Topology from a ``networkx`` Graph (undirected) or DiGraph (edge u -> v: v receives from u).
 
   Nodes are numbered in ``sorted(graph.nodes)`` order.
+
+  Args:
+    graph: a ``networkx.Graph`` or ``networkx.DiGraph`` (edge weights are ignored).
+    weights: ``"uniform"`` or ``"metropolis"``, as in `weights_from_adjacency`.
+
+  Returns:
+    A static `Topology` named ``networkx(n)``.
+
+  Example:
+    >>> import networkx as nx
+    >>> from gossipjax import topology as T
+    >>> print(T.from_networkx(nx.path_graph(3), weights="metropolis").matrix().round(3))
+    [[0.667 0.333 0.   ]
+     [0.333 0.333 0.333]
+     [0.    0.333 0.667]]
   """
   import networkx as nx
 
@@ -316,7 +518,31 @@ def _is_networkx(x: Any) -> bool:
 
 
 def as_topology(x: Any) -> Topology:
-  """Accepts a Topology, a mixing matrix (dense or ``scipy.sparse``, or a stack of them), or a networkx graph."""
+  """Accepts a Topology, a mixing matrix (dense or ``scipy.sparse``, or a stack of them), or a networkx graph.
+
+  What every algorithm calls on its ``topology`` argument.
+
+  Args:
+    x: a `Topology` (returned as is), a matrix or stack of matrices (`from_matrix`) or a
+      networkx graph (`from_networkx`, uniform weights).
+
+  Returns:
+    The `Topology`.
+
+  Raises:
+    TypeError: ``x`` is none of these.
+
+  Example:
+    >>> import numpy as np, networkx as nx
+    >>> from gossipjax import topology as T
+    >>> T.as_topology(np.full((2, 2), 0.5))
+    Topology(custom, n=2, static)
+    >>> T.as_topology(nx.cycle_graph(4))
+    Topology(networkx(4), n=4, static)
+    >>> ring = T.ring(4)
+    >>> T.as_topology(ring) is ring
+    True
+  """
   if isinstance(x, Topology):
     return x
   if _is_networkx(x):

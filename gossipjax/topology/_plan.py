@@ -69,6 +69,14 @@ class Round:
     weight: float array (n,), the weight of that message at the receiver.
     shift: ``h`` when the round is the full cyclic shift ``src[i] = (i + h) % n``
       for every node, else ``None`` (the simulator then uses ``roll`` instead of a gather).
+
+  Example:
+    The rounds of a ring of 4 are the shifts by 1 and by -1:
+
+    >>> from gossipjax import topology as T
+    >>> first = T.ring(4).plans()[0].rounds[0]
+    >>> first.src.tolist(), first.shift, first.pairs
+    ([1, 2, 3, 0], 1, ((1, 0), (2, 1), (3, 2), (0, 3)))
   """
 
   src: np.ndarray
@@ -93,6 +101,14 @@ class RankOne:
   Attributes:
     u: float array (n,), the receivers' scales (non-negative).
     v: float array (n,), the senders' weights (non-negative).
+
+  Example:
+    ``complete(4)`` is one term, exact averaging:
+
+    >>> from gossipjax import topology as T
+    >>> term = T.complete(4).plans()[0].rank_one[0]
+    >>> term.u.tolist(), term.v.tolist(), term.is_constant
+    ([1.0, 1.0, 1.0, 1.0], [0.25, 0.25, 0.25, 0.25], True)
   """
 
   u: np.ndarray
@@ -124,7 +140,33 @@ def make_rank_one(u: np.ndarray, v: np.ndarray) -> RankOne:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MixingPlan:
-  """``W = diag(self_weight) + sum_c P_c diag(rounds[c].weight) + sum_k rank_one[k].u rank_one[k].v^T``, one step."""
+  r"""``W = diag(self_weight) + sum_c P_c diag(rounds[c].weight) + sum_k rank_one[k].u rank_one[k].v^T``, one step.
+
+  .. math::
+    W = \mathrm{diag}(s) + \sum_c P_c\, \mathrm{diag}(w_c) + \sum_k u_k v_k^\top,
+
+  with :math:`P_c` the partial permutation of round c: receiver i gets
+  ``rounds[c].weight[i] * x[rounds[c].src[i]]``. What `Topology.plans` returns, one per
+  step of the period, and what every backend executes.
+
+  Attributes:
+    self_weight: float array (n,), the diagonal of W: what each node keeps of its own value.
+    rounds: the exchange rounds (`Round`), each a partial permutation with per-receiver
+      weights.
+    rank_one: the rank-one terms (`RankOne`), for hubs and exact averaging.
+
+  Example:
+    Half of each node's own value plus half of the average:
+
+    >>> import numpy as np
+    >>> from gossipjax import topology as T
+    >>> half = T.RankOne(u=np.full(3, 0.5), v=np.full(3, 1 / 3))
+    >>> plan = T.MixingPlan(self_weight=np.full(3, 0.5), rounds=(), rank_one=(half,))
+    >>> print(T.Topology.from_plans(plan).matrix().round(3))
+    [[0.667 0.167 0.167]
+     [0.167 0.667 0.167]
+     [0.167 0.167 0.667]]
+  """
 
   self_weight: np.ndarray
   rounds: tuple[Round, ...]

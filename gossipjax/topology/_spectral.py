@@ -34,10 +34,22 @@ def rho(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
   of a large grid), a non-symmetric one by Lanczos on the Gram matrix of ``W - 11^T/n``
   with an iteration cap (relative tolerance 1e-10).
 
+  Args:
+    topology: a `Topology`, or a mixing matrix (dense or ``scipy.sparse``).
+    step: the step of a time-varying topology.
+
+  Returns:
+    rho as a float: 0 for exact averaging (`complete`); below 1 for a doubly stochastic W
+    of a connected graph with positive self weights.
+
   Example:
     >>> from gossipjax import topology as T
     >>> round(T.rho(T.exponential(16)), 4), round(T.rho(T.exponential(2**16)), 4)
     (0.6, 0.8824)
+
+  References:
+    Xiao, Boyd (2004), Fast Linear Iterations for Distributed Averaging, Systems & Control
+    Letters.
   """
   if isinstance(topology, Topology):
     n = topology.num_nodes
@@ -70,7 +82,24 @@ def _sparse_rho(w: sp.csr_array, symmetric: bool) -> float:
 
 
 def spectral_gap(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
-  """``1 - rho(W)``."""
+  """``1 - rho(W)``: the larger, the faster gossip reaches consensus.
+
+  Args:
+    topology: a `Topology`, or a mixing matrix (dense or ``scipy.sparse``).
+    step: the step of a time-varying topology.
+
+  Returns:
+    The gap as a float in [0, 1] for a doubly stochastic W.
+
+  Example:
+    >>> from gossipjax import topology as T
+    >>> round(T.spectral_gap(T.ring(8)), 4), T.spectral_gap(T.complete(8))
+    (0.1953, 1.0)
+
+  References:
+    Xiao, Boyd (2004), Fast Linear Iterations for Distributed Averaging, Systems & Control
+    Letters.
+  """
   return 1.0 - rho(topology, step)
 
 

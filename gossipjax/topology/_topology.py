@@ -37,6 +37,15 @@ class Topology:
     name: a short description, e.g. ``"ring(8)"``.
     num_nodes: n.
     period: number of distinct steps before W(k) repeats (1 when static).
+
+  Example:
+    >>> import numpy as np
+    >>> from gossipjax import topology as T
+    >>> g = T.Topology(np.array([[0.5, 0.5, 0.0], [0.5, 0.0, 0.5], [0.0, 0.5, 0.5]]), name="path(3)")
+    >>> g, g.num_nodes, g.period
+    (Topology(path(3), n=3, static), 3, 1)
+    >>> g.check("doubly").sparse().nnz, len(g.plans()[0].rounds)
+    (6, 2)
   """
 
   def __init__(self, matrices: Any, name: str = "custom"):
@@ -51,14 +60,17 @@ class Topology:
 
   @property
   def num_nodes(self) -> int:
+    """n, the number of nodes."""
     return self._plans[0].num_nodes
 
   @property
   def period(self) -> int:
+    """The number of distinct steps before W(k) repeats (1 when static)."""
     return len(self._plans)
 
   @property
   def is_time_varying(self) -> bool:
+    """True when W(k) changes from step to step (a period above 1)."""
     return self.period > 1
 
   def plans(self) -> tuple[MixingPlan, ...]:
@@ -324,6 +336,20 @@ def is_strongly_connected(adj: Any) -> bool:
 
   ``adj`` is a dense or ``scipy.sparse`` adjacency; the test is one strongly-connected-
   components pass (``scipy.sparse.csgraph``), O(n + edges).
+
+  Args:
+    adj: the n x n adjacency (non-zero entries are edges), dense or ``scipy.sparse``.
+
+  Returns:
+    Whether the directed graph is strongly connected (always True for one node).
+
+  Example:
+    >>> import numpy as np
+    >>> from gossipjax import topology as T
+    >>> T.is_strongly_connected(np.array([[0, 1], [0, 0]]))  # 1 -> 0 only
+    False
+    >>> T.is_strongly_connected(np.array([[0, 1], [1, 0]]))
+    True
   """
   a = sp.csr_array(adj if sp.issparse(adj) else np.asarray(adj) != 0)
   if a.shape[0] <= 1:
