@@ -57,6 +57,12 @@ class Pmapped:
   Attributes:
     axis_name: the pmap axis name.
     axis_size: the number of devices the pmap runs over (default: ``jax.device_count()``).
+
+  Example:
+    >>> import gossipjax as gj
+    >>> be = gj.backend.Pmapped("nodes", axis_size=2)
+    >>> be.num_devices, be.local_nodes(8)  # 4 nodes per device
+    (2, 4)
   """
 
   axis_name: str = "nodes"
@@ -105,9 +111,22 @@ def pmapped(axis_name: str = "nodes", axis_size: int | None = None) -> Pmapped:
   Each device passes its own block of B = n / axis_size nodes (leading axis B); the
   mixing is ``lax.ppermute`` over the pmap axis, at most two per cyclic shift.
 
+  Args:
+    axis_name: the ``axis_name`` of the ``jax.pmap`` the transforms are called in.
+    axis_size: the number of devices the pmap runs over (default: ``jax.device_count()``).
+
+  Returns:
+    A `Pmapped` backend.
+
   Example:
-    >>> import jax, gossipjax as gj
+    One gossip round on a ring of 2 nodes per device, against the dense ``W x``:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, gossipjax as gj
     >>> k = jax.device_count()
     >>> tx = gj.gossip_sgd(gj.topology.ring(2 * k), learning_rate=0.1, backend=gj.backend.pmapped("nodes"))
+    >>> x = jnp.arange(2.0 * k).reshape(k, 2, 1)  # (device, node of the block, parameter)
+    >>> step = jax.pmap(lambda x: x + tx.update(jnp.zeros_like(x), tx.init(x), x)[0], axis_name="nodes")
+    >>> np.allclose(step(x).reshape(2 * k), gj.topology.ring(2 * k).matrix() @ np.arange(2 * k))
+    True
   """
   return Pmapped(axis_name, axis_size)
