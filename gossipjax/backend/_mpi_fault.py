@@ -7,12 +7,10 @@ every rank; ranks that built different topologies are told which ranks differ.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import sys
 import time
 from typing import Any
 
-import numpy as np
 
 _installed: dict[str, Any] = {}
 
@@ -58,6 +56,13 @@ def abort_on_error(comm: Any = None, errorcode: int = 1, exit_timeout: float | N
     errorcode: the exit status ``mpiexec`` reports.
     exit_timeout: how long a rank waits at exit for the others, in seconds; ``None``
       does not wait (an early exit then leaves the others waiting).
+
+  Example:
+    The first lines of a script meant for ``mpiexec -n 4 python train.py``; run as one
+    process, the call does nothing:
+
+    >>> import gossipjax as gj
+    >>> gj.backend.mpi_abort_on_error()
   """
   if comm is None:
     try:
@@ -134,7 +139,7 @@ def check_same_topology(comm: Any, topology: Any) -> None:
 
   Ranks whose plans differ exchange different messages: the job hangs, or (same offsets,
   other weights or node count) runs to a wrong result with exit status 0. Every rank
-  gathers every rank's digest of the node count and the sparse plans, so each one raises
+  gathers every rank's fingerprint of the node count and the sparse plans (rank-one terms included), so each one raises
   the same message, naming the ranks of each topology, and the job ends, not hangs. A
   collective: call it on every rank of ``comm``, once per mixer.
 
@@ -161,19 +166,8 @@ def check_same_topology(comm: Any, topology: Any) -> None:
 
 
 def _topology_digest(topology: Any) -> str:
-  """SHA-256 of n, the period and every plan's sources and weights (rounded, so round-off does not count)."""
-  h = hashlib.sha256(np.asarray([topology.num_nodes, topology.period], np.int64).tobytes())
-
-  def add(weights: np.ndarray) -> None:
-    h.update((np.round(np.asarray(weights, np.float64), 12) + 0.0).tobytes())  # + 0.0 makes -0.0 hash as 0.0
-
-  for plan in topology.plans():
-    add(plan.self_weight)
-    h.update(np.asarray([len(plan.rounds)], np.int64).tobytes())
-    for r in plan.rounds:
-      h.update(np.asarray(r.src, np.int64).tobytes())
-      add(r.weight)
-  return h.hexdigest()
+  """The topology's fingerprint: n, the period, every plan's rounds, weights and rank-one terms."""
+  return topology.fingerprint()
 
 
 def _ranks(ranks: list[int]) -> str:
