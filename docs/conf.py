@@ -82,27 +82,42 @@ def _public_names(module):
 
 
 def _write_api_pages(app, config):
-  """Writes ``api/<module>.rst``: the module's docstring and an autosummary of its ``__all__``."""
+  """Writes ``api/<module>.rst``: the module's docstring and an autosummary of its ``__all__``.
+
+  A class or function re-exported by several public modules is documented once, at its first
+  home in ``PUBLIC_MODULES`` order (the top level first); the other modules link to it.
+  """
   out = DOCS / "api"
   out.mkdir(exist_ok=True)
+  home = {}
   for name, blurb in PUBLIC_MODULES.items():
     module = importlib.import_module(name)
     title = f"``{name}``"
     lines = [title, "=" * len(title), "", f".. automodule:: {name}", "   :no-members:", ""]
     if blurb:
       lines += [blurb, ""]
-    lines += [f".. currentmodule:: {name}", "", ".. autosummary::", "   :toctree: _autosummary", "   :nosignatures:", ""]
-    lines += [f"   {n}" for n in _public_names(module)]
-    text = "\n".join(lines) + "\n"
-    page = out / f"{name}.rst"
-    if not page.exists() or page.read_text() != text:
-      page.write_text(text)
+    own, elsewhere = [], []
+    for n in _public_names(module):
+      obj = getattr(module, n)
+      documented = home.get(id(obj)) if inspect.isclass(obj) or inspect.isroutine(obj) else None
+      if documented:
+        elsewhere.append((n, documented))
+      else:
+        own.append(n)
+        if inspect.isclass(obj) or inspect.isroutine(obj):
+          home[id(obj)] = f"{name}.{n}"
+    lines += [f".. currentmodule:: {name}", ""]
+    if own:
+      lines += [".. autosummary::", "   :toctree: _autosummary", "   :nosignatures:", ""]
+      lines += [f"   {n}" for n in own] + [""]
+    if elsewhere:
+      lines += ["Also exported here, and documented at:", ""]
+      lines += [f"- ``{name}.{n}``: :py:obj:`{target}`" for n, target in elsewhere] + [""]
+    _write_if_changed(out / f"{name}.rst", "\n".join(lines))
   index = ["API reference", "=============", "",
            "Every public name of gossipjax, one page per module, generated from the docstrings.", "",
            ".. toctree::", "   :maxdepth: 1", ""] + [f"   {name}" for name in PUBLIC_MODULES]
-  text = "\n".join(index) + "\n"
-  if not (out / "index.rst").exists() or (out / "index.rst").read_text() != text:
-    (out / "index.rst").write_text(text)
+  _write_if_changed(out / "index.rst", "\n".join(index) + "\n")
 
 
 _LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
