@@ -223,7 +223,7 @@ def test_resume_under_mpi_is_bit_for_bit(tmp_path):
 
   from _launch import mpiexec, run
 
-  script = pathlib.Path(__file__).parent / "mpi" / "ckpt_resume.py"
+  script = pathlib.Path(__file__).parents[1] / "mpi" / "ckpt_resume.py"
   out = tmp_path / "out"
   out.mkdir()
   for mode in ("first", "resume"):

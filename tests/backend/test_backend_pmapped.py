@@ -11,7 +11,7 @@ import pytest
 import gossipjax as gj
 from gossipjax import topology as T
 
-sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "mpi"))
 import backend_cases as cases  # noqa: E402
 
 K = 8

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).parent / "mpi" / "check_distributed.py"
+SCRIPT = Path(__file__).parents[1] / "mpi" / "check_distributed.py"
 PROCESSES = 2
 
 

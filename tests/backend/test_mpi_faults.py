@@ -12,7 +12,7 @@ import gossipjax as gj
 from _launch import mpiexec, run
 from gossipjax.backend._mpi_fault import _topology_digest, check_same_topology
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/, where the MPI scripts live in mpi/
 HANG_LIMIT = 90  # seconds; a healthy abort takes a few
 
 

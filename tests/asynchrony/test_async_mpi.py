@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from _launch import mpiexec, run
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/, where the MPI scripts live in mpi/
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 

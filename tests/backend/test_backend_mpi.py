@@ -12,7 +12,7 @@ import pytest
 
 import gossipjax as gj
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/, where the MPI scripts live in mpi/
 RANKS = 4
 
 

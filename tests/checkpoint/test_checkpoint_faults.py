@@ -15,7 +15,7 @@ import pytest
 from _launch import mpiexec, run
 from gossipjax import checkpoint as ckpt
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parents[1]  # tests/, where the MPI scripts live in mpi/
 SCRIPTS = HERE / "mpi"
 sys.path.insert(0, str(SCRIPTS))
 from checkpoint_kill_points import tree  # noqa: E402  (the tree the killed children save)
