@@ -11,33 +11,9 @@ import jax
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
 
 # Test modules in the subfolders import the shared helpers (``_launch``) from here.
 sys.path.insert(0, str(Path(__file__).parent))
-
-
-def _mpi_missing() -> str | None:
-  """Why the MPI tests cannot run here, or ``None`` when mpi4py, mpi4jax and mpiexec are all installed."""
-  missing = [m for m in ("mpi4py", "mpi4jax") if importlib.util.find_spec(m) is None]
-  if not (Path(sys.executable).parent / "mpiexec").exists():
-    missing.append("mpiexec")
-  if not missing:
-    return None
-  return (f"the MPI tests need {', '.join(missing)}: run `make install-mpi` (or `make test`, which installs "
-          "the MPI stack first) to run them")
-
-
-def pytest_collection_modifyitems(config, items):
-  """Skips the tests marked ``mpi`` (they launch ``mpiexec``) when the MPI stack is not installed, saying how to get it."""
-  reason = _mpi_missing()
-  if reason is None:
-    return
-  skip = pytest.mark.skip(reason=reason)
-  for item in items:
-    if "mpi" in item.keywords:
-      item.add_marker(skip)
