@@ -35,7 +35,7 @@ def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: i
     ((4, 3), 0.0)
   """
   if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)) or num_nodes < 1:
-    raise ValueError(f"init_nodes: num_nodes must be a positive integer, got {num_nodes!r}")
+    raise ValueError(f"gj.init_nodes: num_nodes must be a positive integer, got {num_nodes!r}")
   if same_init:
     params = init_fn(key)
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_nodes,) + jnp.shape(x)).copy(), params)

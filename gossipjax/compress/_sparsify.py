@@ -38,7 +38,7 @@ class TopK(Compressor):
   fraction: float
 
   def __post_init__(self):
-    check_fraction(self.fraction, "top_k")
+    check_fraction(self.fraction, "gj.compress.top_k")
 
   def _leaf(self, x, key):
     del key
@@ -105,7 +105,7 @@ class RandomK(Compressor):
   scaled: bool = True
 
   def __post_init__(self):
-    check_fraction(self.fraction, "random_k")
+    check_fraction(self.fraction, "gj.compress.random_k")
 
   @property
   def unbiased(self) -> bool:  # type: ignore[override]

@@ -8,21 +8,21 @@ from typing import Sequence
 import numpy as np
 
 
-def _check(labels: np.ndarray, num_nodes: int) -> np.ndarray:
+def _check(labels: np.ndarray, num_nodes: int, name: str) -> np.ndarray:
   labels = np.asarray(labels)
   if labels.ndim != 1:
-    raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
+    raise ValueError(f"{name}: labels must be 1-D, got shape {labels.shape}")
   if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)) or num_nodes < 1:
-    raise ValueError(f"num_nodes must be a positive integer, got {num_nodes!r}")
+    raise ValueError(f"{name}: num_nodes must be a positive integer, got {num_nodes!r}")
   if labels.shape[0] < num_nodes:
-    raise ValueError(f"cannot give each of {num_nodes} nodes a sample: only {labels.shape[0]} samples")
+    raise ValueError(f"{name}: cannot give each of {num_nodes} nodes a sample: only {labels.shape[0]} samples")
   return labels
 
 
 def _finish(parts: Sequence[np.ndarray], how: str) -> list[np.ndarray]:
   empty = [i for i, p in enumerate(parts) if len(p) == 0]
   if empty:
-    raise ValueError(f"{how} left node(s) {empty[:10]} with no data; use fewer nodes or a milder skew")
+    raise ValueError(f"gj.data.{how}: left node(s) {empty[:10]} with no data; use fewer nodes or a milder skew")
   return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
 
 
@@ -49,7 +49,7 @@ def partition_iid(labels: np.ndarray, num_nodes: int, seed: int = 0) -> list[np.
     >>> sorted(np.concatenate(parts).tolist()) == list(range(10))
     True
   """
-  labels = _check(labels, num_nodes)
+  labels = _check(labels, num_nodes, "gj.data.partition_iid")
   perm = np.random.default_rng(seed).permutation(labels.shape[0])
   return _finish(np.array_split(perm, num_nodes), "partition_iid")
 
@@ -91,9 +91,9 @@ def partition_dirichlet(labels: np.ndarray, num_nodes: int, alpha: float, seed: 
     Hsu, Qi, Brown (2019), Measuring the Effects of Non-Identical Data Distribution for
     Federated Visual Classification, arXiv:1909.06335.
   """
-  labels = _check(labels, num_nodes)
+  labels = _check(labels, num_nodes, "gj.data.partition_dirichlet")
   if not alpha > 0:
-    raise ValueError(f"partition_dirichlet: alpha must be > 0, got {alpha}")
+    raise ValueError(f"gj.data.partition_dirichlet: alpha must be > 0, got {alpha}")
   rng = np.random.default_rng(seed)
   samples, owners = [], []
   for c in np.unique(labels):
@@ -155,10 +155,10 @@ def partition_by_class(labels: np.ndarray, num_nodes: int, classes_per_node: int
     McMahan, Moore, Ramage, Hampson, Agüera y Arcas (2017), Communication-Efficient Learning
     of Deep Networks from Decentralized Data, AISTATS (its pathological non-IID split).
   """
-  labels = _check(labels, num_nodes)
+  labels = _check(labels, num_nodes, "gj.data.partition_by_class")
   classes = np.random.default_rng(seed).permutation(np.unique(labels))
   if not 1 <= classes_per_node <= len(classes):
-    raise ValueError(f"classes_per_node must be in [1, {len(classes)}], got {classes_per_node}")
+    raise ValueError(f"gj.data.partition_by_class: classes_per_node must be in [1, {len(classes)}], got {classes_per_node}")
   owners: dict[int, list[int]] = {int(c): [] for c in classes}
   for node in range(num_nodes):
     for k in range(classes_per_node):

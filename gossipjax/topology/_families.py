@@ -25,9 +25,9 @@ from gossipjax.topology._topology import Topology, is_strongly_connected
 Weights = Literal["uniform", "metropolis"]
 
 
-def _check_n(n: Any, name: str, minimum: int = 1) -> int:
+def _check_n(n: Any, name: str, minimum: int = 1, what: str = "the number of nodes") -> int:
   if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < minimum:
-    raise ValueError(f"{name}: the number of nodes must be an integer >= {minimum}, got {n!r}")
+    raise ValueError(f"gj.topology.{name}: {what} must be an integer >= {minimum}, got {n!r}")
   return int(n)
 
 
@@ -189,7 +189,7 @@ def grid(rows: int, cols: int, weights: Weights = "uniform") -> Topology:
     >>> print(T.grid(2, 3, weights="metropolis").matrix()[0].round(3))
     [0.417 0.25  0.    0.333 0.    0.   ]
   """
-  rows, cols = _check_n(rows, "grid rows"), _check_n(cols, "grid cols")
+  rows, cols = _check_n(rows, "grid", what="rows"), _check_n(cols, "grid", what="cols")
   return _from_edges(rows * cols, *_grid_edges(rows, cols, False), f"grid({rows}x{cols})", weights)
 
 
@@ -211,7 +211,7 @@ def torus(rows: int, cols: int, weights: Weights = "uniform") -> Topology:
     >>> round(T.rho(T.torus(4, 4)), 4)
     0.6
   """
-  rows, cols = _check_n(rows, "torus rows"), _check_n(cols, "torus cols")
+  rows, cols = _check_n(rows, "torus", what="rows"), _check_n(cols, "torus", what="cols")
   return _from_edges(rows * cols, *_grid_edges(rows, cols, True), f"torus({rows}x{cols})", weights)
 
 
