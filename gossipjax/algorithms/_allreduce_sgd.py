@@ -39,7 +39,8 @@ def allreduce_sgd(
   trained on the global batch.
 
   Args:
-    beta: momentum coefficient.
+    beta: momentum coefficient in [0, 1); 0, the default in every gossipjax method, is plain
+      SGD on the averaged gradient.
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate); provides the all-reduce mean.
 

@@ -69,7 +69,8 @@ def decentlam(
 
   Args:
     topology: doubly stochastic mixing.
-    beta: momentum coefficient.
+    beta: momentum coefficient in [0, 1); 0, the default in every gossipjax method, reduces
+      DecentLaM to D-PSGD (the paper uses 0.9).
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
 

@@ -31,7 +31,8 @@ def gossip_sgd(
 
   Args:
     topology: doubly stochastic mixing (``gj.topology.*``, a matrix or a networkx graph).
-    beta: momentum coefficient.
+    beta: momentum coefficient in [0, 1); 0, the default in every gossipjax method, is
+      D-PSGD (the DmSGD papers use 0.9).
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
 

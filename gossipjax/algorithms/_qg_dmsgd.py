@@ -52,7 +52,8 @@ def qg_dmsgd(
 
   Args:
     topology: doubly stochastic mixing.
-    beta: heavy-ball coefficient.
+    beta: heavy-ball coefficient in [0, 1); 0, the default in every gossipjax method, reduces
+      the method to D-PSGD (the paper uses 0.9).
     learning_rate: a float or an optax schedule.
     mu: averaging rate of the quasi-global momentum. The default, ``beta``, is the paper's
       Algorithm 1; the authors' code uses ``mu = 0.1`` whatever ``beta`` is, so the two

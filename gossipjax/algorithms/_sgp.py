@@ -59,7 +59,8 @@ def sgp(
       pushes to i), possibly directed and time-varying, e.g.
       ``gj.topology.one_peer_directed_exponential(n)``.
     learning_rate: a float or an optax schedule.
-    beta: local momentum coefficient (0: plain SGP).
+    beta: local momentum coefficient in [0, 1); 0, the default in every gossipjax method, is
+      plain SGP (the paper uses 0.9).
     backend: where the nodes live (default: simulate).
 
   Returns:
