@@ -1,7 +1,7 @@
 """``python -m benchmarks [--quick] [--gpu] [--only NAME ...] [--json PATH]``: run the suite.
 
 Prints one table per benchmark and writes every figure, with the machine and the date,
-as JSON (default ``benchmarks/results.json``). The MPI benchmark (``mpi_gossip``) needs
+as JSON (default ``benchmarks/results/results.json``). The MPI benchmark (``mpi_gossip``) needs
 ``mpiexec`` and runs only when named with ``--only mpi_gossip`` (4 ranks).
 """
 
@@ -60,10 +60,12 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--reps", type=int, default=None, help="repetitions of the dmsgd_step comparison")
   parser.add_argument("--only", nargs="+", choices=SUITE + OPTIONAL, help="run only these benchmarks")
   parser.add_argument("--json", default=None,
-                      help="where to write (default benchmarks/results.json, or results_quick.json with --quick)")
+                      help="where to write (default benchmarks/results/results.json, "
+                           "or benchmarks/results/results_quick.json with --quick)")
   args = parser.parse_args(argv)
   if args.json is None:
-    args.json = str(pathlib.Path(__file__).with_name("results_quick.json" if args.quick else "results.json"))
+    default = "results_quick.json" if args.quick else "results.json"
+    args.json = str(pathlib.Path(__file__).parent / "results" / default)
 
   results = {"machine": _timing.machine(), "command": "python -m benchmarks " + " ".join(argv or sys.argv[1:]),
              "quick": args.quick, "benchmarks": {}}
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["benchmarks"][name] = r
     print("\n".join(module.table(r)), flush=True)
     print(flush=True)
+  pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
   pathlib.Path(args.json).write_text(json.dumps(results, indent=2, default=float) + "\n")
   print(f"wrote {args.json}")
   return results

@@ -1,7 +1,7 @@
 """Millions of simulated nodes: setup, peak memory and step time from n = 64 to 1,048,576.
 
-``python -m benchmarks.scale [--quick]`` writes ``benchmarks/results_scale.json`` and a
-log-log plot, ``benchmarks/scale.png``. Two sweeps, each case in a fresh process so its
+``python -m benchmarks.scale [--quick]`` writes ``benchmarks/results/results_scale.json``
+and a log-log plot, ``benchmarks/results/scale.png``. Two sweeps, each case in a fresh process so its
 peak resident memory (``ru_maxrss``) is its own and a case that fails is reported, not fatal:
 
 - a ring with d = 16 floats per node, n = 64 ... 1,048,576;
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small sizes only")
   parser.add_argument("--one", nargs=3, metavar=("FAMILY", "N", "D"), help=argparse.SUPPRESS)
-  parser.add_argument("--json", default=str(pathlib.Path(__file__).with_name("results_scale.json")))
+  parser.add_argument("--json", default=str(pathlib.Path(__file__).parent / "results" / "results_scale.json"))
   args = parser.parse_args(argv)
   if args.one:
     family, n, d = args.one
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
   family_nodes = 1_024 if args.quick else FAMILY_NODES
   result = {"ring": [run_case("ring", n, 16, 600) for n in ring_nodes],
             "families": [run_case(f, family_nodes, 100, 600) for f in FAMILIES]}
+  pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
   pathlib.Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
   plot(result["ring"], pathlib.Path(args.json).with_name("scale.png"))
   print("\n".join(table(result)))

@@ -14,7 +14,7 @@ default suite) times:
   over 16,384 and 60,000 nodes, where many nodes start with no sample.
 
 A size that fails (e.g. out of memory) is reported with its error instead of a time.
-``benchmarks/results_simulators.json`` holds a run, next to the same measurements of the
+``benchmarks/results/results_simulators.json`` holds a run, next to the same measurements of the
 dense implementations they replaced (``before``).
 """
 
