@@ -35,5 +35,8 @@ def test_docs_build_without_warnings(tmp_path):
     text = (html / f"{page}.html").read_text()
     assert "cell_output" in text, page
   assert "<img" in (html / "notebooks" / "tutorial.html").read_text()
-  for page in ("benchmarks", "experiments"):
-    assert (html / f"{page}.html").exists(), page
+  assert "<img" in (html / "results" / "benchmarks.html").read_text()
+  gallery = (html / "results" / "experiments" / "index.html").read_text()
+  for study in (ROOT / "experiments").glob("*/README.md"):
+    assert f"{study.parent.name}.html" in gallery, study.parent.name
+    assert (html / "results" / "experiments" / f"{study.parent.name}.html").exists(), study.parent.name
