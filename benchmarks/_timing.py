@@ -13,16 +13,20 @@ import jax
 import jax.numpy as jnp
 
 
-def wait_until_quiet(window: float = 0.005, busy: float = 0.1, timeout: float = 2.0) -> float:
-  """Waits until this process's threads use under ``busy`` of one core over ``window`` seconds.
+def wait_until_quiet(window: float = 0.005, busy: float = 0.1, timeout: float = 2.0, quiet_windows: int = 3) -> float:
+  """Waits until this process's threads use under ``busy`` of one core over ``quiet_windows`` windows in a row.
 
-  Returns the seconds waited (at most about ``timeout``, after which it gives up quietly).
+  One quiet window is not enough on a loaded machine: a busy thread that the OS happens not
+  to schedule for ``window`` seconds looks idle. Returns the seconds waited (at most about
+  ``timeout``, after which it gives up quietly).
   """
   start = time.perf_counter()
+  quiet = 0
   while time.perf_counter() - start < timeout:
     cpu, wall = time.process_time(), time.perf_counter()
     time.sleep(window)
-    if time.process_time() - cpu < busy * (time.perf_counter() - wall):
+    quiet = quiet + 1 if time.process_time() - cpu < busy * (time.perf_counter() - wall) else 0
+    if quiet == quiet_windows:
       break
   return time.perf_counter() - start
 
