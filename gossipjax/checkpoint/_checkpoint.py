@@ -96,7 +96,7 @@ def _leaf_spec(path: str, x: Any) -> dict[str, Any]:
     a = np.asarray(x)
     return {"path": path, "shape": [], "dtype": a.dtype.name}
   raise TypeError(
-      f"checkpoint: the leaf at {path or '<root>'} is a {type(x).__name__}; only arrays, numbers and "
+      f"gj.checkpoint.save: the leaf at {path or '<root>'} is a {type(x).__name__}; only arrays, numbers and "
       "PRNG keys can be checkpointed (keep configuration such as strings out of the state tree)"
   )
 
@@ -138,7 +138,7 @@ def _check_step(step: Any) -> int:
   if isinstance(step, (jax.Array, np.ndarray)) and step.ndim == 0 and jnp.issubdtype(step.dtype, jnp.integer):
     step = int(step)  # a step counter taken from the state
   if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-    raise ValueError(f"checkpoint: step must be a non-negative integer, got {step!r}")
+    raise ValueError(f"gj.checkpoint: step must be a non-negative integer, got {step!r}")
   return int(step)
 
 
@@ -165,7 +165,7 @@ def _mpi_rank() -> tuple[int, int] | None:
 
 
 def _rank_refusal(where: Any, owner: int, mpi: tuple[int, int]) -> str:
-  return (f"checkpoint: {where} holds the checkpoints of MPI rank {owner}, and this is rank {mpi[0]} of {mpi[1]}; "
+  return (f"gj.checkpoint: {where} holds the checkpoints of MPI rank {owner}, and this is rank {mpi[0]} of {mpi[1]}; "
           "ranks that share a checkpoint directory would overwrite and restore each other's nodes. Give each rank "
           "its own directory: gj.checkpoint.rank_directory(path, rank)")
 
@@ -303,7 +303,7 @@ def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None
 
   step = _check_step(step)
   if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-    raise ValueError(f"checkpoint: keep must be a positive integer or None, got {keep!r}")
+    raise ValueError(f"gj.checkpoint.save: keep must be a positive integer or None, got {keep!r}")
   directory = pathlib.Path(directory).absolute()
   directory.mkdir(parents=True, exist_ok=True)
 
