@@ -51,11 +51,13 @@ def rho(w: np.ndarray) -> float:
 
 
 def messages_per_node(topology: gj.topology.Topology) -> dict[str, float]:
-  """Messages a node receives per step: the most any node gets in any step, and the average."""
+  """Messages a node receives per step (the most any node gets in any step, and the average), and what the
+  plan executes: exchange rounds, and rank-one terms (a reduction over the nodes, as a star's hub does)."""
   n = topology.num_nodes
   received = ((topology.matrices * (1 - np.eye(n))) > 0).sum(axis=2)  # (period, n)
   return dict(messages_max=int(received.max()), messages_mean=float(received.mean()),
-              plan_rounds=max(len(p.rounds) for p in topology.plans()))
+              plan_rounds=max(len(p.rounds) for p in topology.plans()),
+              plan_rank_one=max(len(p.rank_one) for p in topology.plans()))
 
 
 def spectral_facts(topology: gj.topology.Topology) -> dict[str, Any]:
