@@ -12,7 +12,7 @@ import time
 import jax
 
 import gossipjax as gj
-from benchmarks import _timing, dmsgd_step
+from benchmarks import dmsgd_step
 
 
 def topologies(n: int, period: int = 16) -> dict[str, gj.topology.Topology]:

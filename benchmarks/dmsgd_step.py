@@ -12,7 +12,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import gossipjax as gj

@@ -149,7 +149,7 @@ def check_same_topology(comm: Any, topology: Any) -> None:
   """
   if comm.Get_size() == 1:
     return
-  everyone = comm.allgather((_topology_digest(topology), topology.name, topology.num_nodes))
+  everyone = comm.allgather((topology.fingerprint(), topology.name, topology.num_nodes))
   groups: dict[tuple[str, str, int], list[int]] = {}
   for rank, key in enumerate(everyone):
     groups.setdefault(key, []).append(rank)
@@ -163,11 +163,6 @@ def check_same_topology(comm: Any, topology: Any) -> None:
   raise ValueError(f"the MPI ranks built different topologies for one mixer: {'; '.join(described)}. "
                    "Their exchanges would not match (a hung job or wrong numbers): build the same "
                    "topology on every rank")
-
-
-def _topology_digest(topology: Any) -> str:
-  """The topology's fingerprint: n, the period, every plan's rounds, weights and rank-one terms."""
-  return topology.fingerprint()
 
 
 def _ranks(ranks: list[int]) -> str:

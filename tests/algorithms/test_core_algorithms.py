@@ -223,6 +223,8 @@ def test_flax_linen_tree_and_nnx_optimizer():
   grads = jax.vmap(jax.grad(loss))(params, x)
   updates, _ = tx.update(grads, tx.init(params), params)
   linen_new = optax.apply_updates(params, updates)
+  assert jax.tree.structure(linen_new) == jax.tree.structure(params)
+  assert gj.consensus_distance(linen_new) < gj.consensus_distance(params)  # one gossip step on a linen tree
 
   class NnxMLP(nnx.Module):
     def __init__(self, rngs):

@@ -10,7 +10,7 @@ import pytest
 
 import gossipjax as gj
 from _launch import mpiexec, run
-from gossipjax.backend._mpi_fault import _topology_digest, check_same_topology
+from gossipjax.backend._mpi_fault import check_same_topology
 
 HERE = Path(__file__).parents[1]  # tests/, where the MPI scripts live in mpi/
 HANG_LIMIT = 90  # seconds; a healthy abort takes a few
@@ -78,7 +78,7 @@ class _Ranks:
     return len(self.topologies)
 
   def allgather(self, _):
-    return [(_topology_digest(t), t.name, t.num_nodes) for t in self.topologies]
+    return [(t.fingerprint(), t.name, t.num_nodes) for t in self.topologies]
 
 
 def test_topologies_that_differ_only_in_weights_are_told_apart():

@@ -166,7 +166,7 @@ GLOBAL_BY_DEFINITION = {"allreduce_sgd": "all-reduce", "periodic_average": "all-
 
 
 def _cnn_step(name, topo, be, grads_with_map=True):
-  model = gj.train.CNN(features=(4,), num_classes=10)
+  model = CNN(features=(4,), num_classes=10)
   batch = 4
   x = jnp.zeros((N, batch, 8, 8, 1), jnp.float32)
   y = jnp.zeros((N, batch), jnp.int32)

@@ -7,7 +7,6 @@ import jax
 import numpy as np
 import pytest
 
-import gossipjax as gj
 from gossipjax import data as D
 
 LABELS = np.repeat(np.arange(10), 30)

@@ -6,7 +6,6 @@ import tracemalloc
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 
 from gossipjax import topology as T
 from gossipjax.asynchrony._plans import plan_table
