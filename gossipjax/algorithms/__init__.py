@@ -13,6 +13,7 @@ from gossipjax.algorithms._exact_diffusion import ExactDiffusionState, exact_dif
 from gossipjax.algorithms._extra import ExtraState, extra
 from gossipjax.algorithms._gossip_sgd import gossip_sgd
 from gossipjax.algorithms._gradient_tracking import GradientTrackingState, gradient_tracking
+from gossipjax.algorithms._outer import OuterState, diloco, noloco, outer_optimizer
 from gossipjax.algorithms._periodic_average import PeriodicAverageState, periodic_average
 from gossipjax.algorithms._qg_dmsgd import QGMomentumState, qg_dmsgd
 from gossipjax.algorithms._sgp import SGPState, sgp
@@ -24,17 +25,21 @@ __all__ = (
     "ExactDiffusionState",
     "ExtraState",
     "GradientTrackingState",
+    "OuterState",
     "PeriodicAverageState",
     "QGMomentumState",
     "SGPState",
     "allreduce_sgd",
     "choco_sgd",
     "decentlam",
+    "diloco",
     "easgd",
     "exact_diffusion",
     "extra",
     "gossip_sgd",
     "gradient_tracking",
+    "noloco",
+    "outer_optimizer",
     "periodic_average",
     "qg_dmsgd",
     "sgp",

@@ -1,0 +1,349 @@
+"""Local training with an outer optimizer: DiLoCo, NoLoCo and their gossip form."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from gossipjax._guard import SkipNodes, zero_skipped
+from gossipjax._nodes import per_node
+from gossipjax._validation import check_in_range, check_node_axis, check_period, require_params
+from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
+from gossipjax.topology import as_topology
+
+
+class OuterState(NamedTuple):
+  """State of `outer_optimizer`, `diloco` and `noloco`.
+
+  Attributes:
+    count: int32 scalar, the number of inner steps taken; the outer step ends the steps with
+      ``count % inner_steps == inner_steps - 1``.
+    anchor: the outer params ``phi``: each node's params at the start of its round, shaped
+      like the params (leading node axis).
+    inner_state: the inner transform's state, one per node (leading node axis on every leaf).
+    outer_state: the outer transform's state, one per node (leading node axis on every leaf).
+  """
+
+  count: jax.Array
+  anchor: Any
+  inner_state: Any
+  outer_state: Any
+
+
+def _check_outer_rates(learning_rate: Any, momentum: Any, name: str) -> None:
+  """The outer learning rate: a non-negative number or a schedule (of the outer round); momentum in [0, 1)."""
+  if not callable(learning_rate):
+    check_in_range(learning_rate, name, "outer_learning_rate", 0.0, np.inf)
+  check_in_range(momentum, name, "outer_momentum", 0.0, 1.0)
+  if not isinstance(momentum, jax.core.Tracer) and float(momentum) == 1.0:
+    raise ValueError(f"{name}: outer_momentum must be in [0, 1), got {momentum!r}")
+
+
+def _check_transform(tx: Any, name: str, arg: str, example: str) -> None:
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(f"{name}: {arg} must be an optax transform (an optax.GradientTransformation such as "
+                    f"{example}), got {type(tx).__name__} {tx!r}")
+
+
+def outer_optimizer(
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    *,
+    inner_steps: int,
+    topology: Any = None,
+    backend: Backend | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Local training with an outer optimizer: ``inner_steps`` local steps, then one combined outer step.
+
+  Every node runs ``inner`` on its own for H = ``inner_steps`` steps from its outer params
+  :math:`\phi_i`, reaching :math:`\theta_i`. The end of the round is the only communication:
+  the end-of-round models are combined, by the global average (an all-reduce) or by one
+  gossip round over ``topology``, and every node takes one step of ``outer`` on its
+  pseudo-gradient against the combined model:
+
+  .. math::
+    g_i = \phi_i - (C\theta)_i, \qquad \phi_i \leftarrow \phi_i + \mathrm{outer}(g_i),
+    \qquad \theta_i \leftarrow \phi_i,
+
+  with :math:`C = \frac1n \mathbf{1}\mathbf{1}^\top` without a topology and :math:`C = W(r)`
+  in outer round r with one. Where every node holds the same :math:`\phi` (the average, from
+  a common start) :math:`g = \frac1n\sum_j (\phi - \theta_j)`, the averaged pseudo-gradient of
+  DiLoCo; over a pairing with heavy-ball SGD as ``outer`` it is NoLoCo (see `diloco`,
+  `noloco`). Since :math:`g_i = (W\Delta)_i + (\phi_i - (W\phi)_i)` with
+  :math:`\Delta = \phi - \theta`, the gossip form adds to the mixed pseudo-gradient a pull of
+  :math:`\phi_i` towards its neighbours' outer params, so the nodes stay close without an
+  all-reduce. Each exchange carries one model per node.
+
+  ``inner`` and ``outer`` are any optax transforms, run per node (`gj.per_node`): a node's
+  inner steps never communicate, and a whole-tree transform (``clip_by_global_norm``) sees one
+  node. The inner state persists across rounds, as in DiLoCo.
+
+  Under ``gj.guard_finite`` a node that skips the last inner step of a round sends its
+  current params and keeps them (and its state) through the outer step: it rejoins at the
+  next one, where the combined model pulls it back.
+
+  Args:
+    inner: the local optimizer, e.g. ``optax.adamw(4e-4, weight_decay=0.1)``.
+    outer: the outer optimizer on the pseudo-gradients, e.g.
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; ``optax.sgd(1.0)`` replaces each node's
+      model by the combined one (periodic averaging, or local SGD with gossip).
+    inner_steps: H, the local steps per round (at least 1).
+    topology: ``None`` for the global average (an all-reduce), or a doubly stochastic
+      topology for one gossip round; W advances one step of its period per outer round.
+    backend: where the nodes live (default: simulate); provides the all-reduce, the mixer
+      and the per-node map.
+
+  Returns:
+    An optax transform over node-stacked params (its ``update`` needs ``params``) whose
+    state is an `OuterState`; non-float leaves are left alone.
+
+  Raises:
+    TypeError: ``inner`` or ``outer`` is not an optax transform; at ``init``, ``inner``'s or
+      ``outer``'s state cannot be stacked per node.
+    ValueError: ``inner_steps`` is not a positive integer, or the topology is not doubly
+      stochastic and connected.
+
+  Example:
+    With ``optax.sgd(1.0)`` as the outer step, a round ends in the average of the nodes'
+    models (periodic averaging); here two nodes at 0 and 4 take two local steps towards
+    their own targets 1 and 3, then average:
+
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> tx = gj.outer_optimizer(optax.sgd(0.5), optax.sgd(1.0), inner_steps=2)
+    >>> x = jnp.array([[0.0], [4.0]])
+    >>> state = tx.init(x)
+    >>> for _ in range(2):
+    ...   u, state = tx.update(x - jnp.array([[1.0], [3.0]]), state, x)
+    ...   x = x + u
+    ...   print(x.ravel().tolist())
+    [0.5, 3.5]
+    [2.0, 2.0]
+
+  References:
+    Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen (2023), DiLoCo:
+    Distributed Low-Communication Training of Language Models, arXiv:2311.08105.
+
+    Kolehmainen, Blagoev, Donaghy, Ersoy, Nies (2025), NoLoCo: No-all-reduce Low
+    Communication Training Method for Large Models, arXiv:2506.10911.
+  """
+  return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.outer_optimizer")
+
+
+def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientTransformation, inner_steps: int,
+                     topology: Any, backend: Backend | None, name: str) -> optax.GradientTransformationExtraArgs:
+  """`outer_optimizer`, with ``name`` (the public function called) in its error messages."""
+  _check_transform(inner, name, "inner", "optax.adamw(4e-4)")
+  _check_transform(outer, name, "outer", "optax.sgd(0.7, momentum=0.9, nesterov=True)")
+  inner_steps = check_period(inner_steps, name, "inner_steps")
+  backend = resolve_backend(backend)
+  mixer = None if topology is None else make_mixer(topology, backend)
+  inner_pn, outer_pn = per_node(inner, backend), per_node(outer, backend)
+
+  def stacked_init(tx, params, arg):
+    try:
+      return tx.init(params)
+    except TypeError as e:
+      raise TypeError(f"{name}: the state of {arg} cannot be stacked per node ({e}); every node runs its own "
+                      f"{arg}, so its state must be a pytree of arrays") from e
+
+  def init_fn(params):
+    return OuterState(
+        count=jnp.zeros([], jnp.int32),
+        anchor=jax.tree.map(lambda x: jnp.array(x, copy=True), params),
+        inner_state=stacked_init(inner_pn, params, "inner"),
+        outer_state=stacked_init(outer_pn, params, "outer"),
+    )
+
+  def combined(theta, outer_round):
+    if mixer is None:
+      return backend.mean(theta)
+    return mixer.mix(theta, outer_round)
+
+  def update_fn(grads, state, params=None, skip_nodes: SkipNodes | None = None, **extra_args):
+    require_params(params, name)
+    if mixer is not None:
+      check_node_axis(params, mixer.local_nodes, name, mixer.topology.name)
+    inner_updates, inner_state = inner_pn.update(grads, state.inner_state, params, **extra_args)
+    # A node that skips (gj.guard_finite) sends its current params and keeps them.
+    inner_updates = zero_skipped(jax.tree.map(lambda u, x: u.astype(x.dtype), inner_updates, params), skip_nodes)
+
+    def outer_step(operands):
+      inner_updates, anchor, outer_state = operands
+      theta = jax.tree.map(lambda x, u: x + u, params, inner_updates)
+      pseudo_grads = jax.tree.map(lambda phi, c: phi - c, anchor, combined(theta, state.count // inner_steps))
+      steps, outer_state = outer_pn.update(pseudo_grads, outer_state, anchor)
+      anchor = jax.tree.map(lambda phi, s: (phi + s).astype(phi.dtype), anchor, steps)
+      updates = jax.tree.map(lambda phi, x: phi - x, anchor, params)
+      return updates, anchor, outer_state
+
+    updates, anchor, outer_state = lax.cond(
+        state.count % inner_steps == inner_steps - 1, outer_step, lambda operands: operands,
+        (inner_updates, state.anchor, state.outer_state))
+    updates = zero_skipped(updates, skip_nodes)
+    return updates, OuterState(count=optax.safe_increment(state.count), anchor=anchor,
+                               inner_state=inner_state, outer_state=outer_state)
+
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    *,
+    inner_steps: int = 500,
+    outer_learning_rate: float = 0.7,
+    outer_momentum: float = 0.9,
+    nesterov: bool = True,
+    backend: Backend | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""DiLoCo: H local steps of ``inner`` per node, then an all-reduce and an outer Nesterov step.
+
+  Douillard et al. (2023), Algorithm 1. Every node starts a round at the shared outer params
+  :math:`\phi`, takes H steps of ``inner`` (AdamW in the paper) on its own data, and the
+  pseudo-gradients are averaged (the round's only communication, one all-reduce) and
+  applied by Nesterov-momentum SGD:
+
+  .. math::
+    \Delta = \frac1n \sum_j (\phi - \theta_j), \qquad
+    m \leftarrow \mu m + \Delta, \qquad
+    \phi \leftarrow \phi - \eta (\Delta + \mu m), \qquad \theta_j \leftarrow \phi.
+
+  (PyTorch's and optax's Nesterov convention; ``nesterov=False`` gives heavy-ball
+  :math:`\phi \leftarrow \phi - \eta m`.) The inner optimizer's state persists across
+  rounds. Built as `outer_optimizer` with ``optax.sgd(eta, momentum=mu, nesterov=True)`` and
+  no topology. Outer SGD with :math:`\eta = 1` and no momentum is periodic averaging of the
+  inner optimizer; with H = 1 and inner SGD it is AllReduce-SGD.
+
+  Args:
+    inner: the local optimizer, e.g. ``optax.adamw(4e-4, weight_decay=0.1)`` (the paper's).
+    inner_steps: H, the local steps per round; the paper uses 500 for language models.
+    outer_learning_rate: :math:`\eta` (0.7 in the paper).
+    outer_momentum: :math:`\mu` in [0, 1) (0.9 in the paper).
+    nesterov: Nesterov momentum (the paper's) or heavy-ball.
+    backend: where the nodes live (default: simulate); provides the all-reduce.
+
+  Returns:
+    An optax transform over node-stacked params (its ``update`` needs ``params``) whose
+    state is an `OuterState`.
+
+  Raises:
+    TypeError: ``inner`` is not an optax transform, or its state cannot be stacked per node.
+    ValueError: ``inner_steps`` is not a positive integer, or a rate is out of range.
+
+  Example:
+    Two nodes pull towards 1 and 3; one round of two local steps, then the outer step from
+    the shared start 0 along the averaged pseudo-gradient:
+
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> tx = gj.diloco(optax.sgd(0.5), inner_steps=2)
+    >>> x = jnp.zeros((2, 1))
+    >>> state = tx.init(x)
+    >>> for _ in range(2):
+    ...   u, state = tx.update(x - jnp.array([[1.0], [3.0]]), state, x)
+    ...   x = x + u
+    >>> [round(float(v), 4) for v in x.ravel()]  # 0 + 0.7 * (1 + 0.9) * 1.5, on both nodes
+    [1.995, 1.995]
+
+  References:
+    Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen (2023), DiLoCo:
+    Distributed Low-Communication Training of Language Models, arXiv:2311.08105.
+  """
+  _check_outer_rates(outer_learning_rate, outer_momentum, "gj.diloco")
+  _check_transform(inner, "gj.diloco", "inner", "optax.adamw(4e-4)")
+  outer = optax.sgd(outer_learning_rate, momentum=outer_momentum, nesterov=nesterov)
+  return _outer_optimizer(inner, outer, inner_steps, None, backend, "gj.diloco")
+
+
+def _check_pairing(topology: Any, name: str) -> None:
+  """Raises unless every W(k) pairs the nodes: each averages with at most one peer, weight 1/2."""
+  topo = as_topology(topology)
+  if topo.max_degree() > 1:
+    raise ValueError(f"{name}: topology must pair the nodes (each averages with at most one peer per step), "
+                     f"but in {topo.name} a node receives from {topo.max_degree()} peers; "
+                     f"use gj.topology.random_pairs({topo.num_nodes})")
+  for k in range(topo.period):
+    w = topo.sparse(k).tocoo()
+    off = w.row != w.col
+    rows, cols, vals = w.row[off], w.col[off], w.data[off]
+    bad = ~np.isclose(vals, 0.5)
+    pairs = set(zip(rows.tolist(), cols.tolist()))
+    unpaired = [(i, j) for i, j in pairs if (j, i) not in pairs]
+    if bad.any() or unpaired:
+      i, j = (int(rows[bad][0]), int(cols[bad][0])) if bad.any() else unpaired[0]
+      raise ValueError(f"{name}: topology must pair the nodes (i and j average, each with weight 1/2), but in "
+                       f"{topo.name} at step {k} node {i} receives from {j} with weight {topo.sparse(k)[i, j]:g} "
+                       f"and node {j} from {i} with weight {topo.sparse(k)[j, i]:g}; "
+                       f"use gj.topology.random_pairs({topo.num_nodes})")
+
+
+def noloco(
+    inner: optax.GradientTransformation,
+    topology: Any,
+    *,
+    inner_steps: int = 50,
+    outer_learning_rate: float = 0.7,
+    outer_momentum: float = 0.5,
+    backend: Backend | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""NoLoCo: H local steps of ``inner``, then one exchange with a random peer and a modified momentum step.
+
+  Kolehmainen et al. (2025). No all-reduce: at the end of a round each node i averages with
+  the one peer j that ``topology`` pairs it with in that round (``gj.topology.random_pairs``:
+  a fresh random matching every round), and its outer momentum carries, next to the pair's
+  averaged pseudo-gradient, a term that pulls its outer params towards the pair's:
+
+  .. math::
+    \delta_i &\leftarrow \mu \delta_i - \eta \Big(\tfrac12(\Delta_i + \Delta_j)
+              + \phi_i - \tfrac12(\phi_i + \phi_j)\Big), \qquad \Delta = \phi - \theta, \\
+    \phi_i &\leftarrow \phi_i + \delta_i, \qquad \theta_i \leftarrow \phi_i.
+
+  The bracket is :math:`\phi_i - \frac12(\theta_i + \theta_j)`, so one exchange of the
+  end-of-round models suffices. This is the rule of the authors' code (its
+  ``SparseOptimizerC`` with groups of 2, which the paper's NoLoCo runs select), where the
+  weight of the consensus term equals the outer learning rate; defaults are theirs
+  (H = 50, :math:`\eta = 0.7`, :math:`\mu = 0.5`, inner Adam). Built as `outer_optimizer`
+  with heavy-ball ``optax.sgd(eta, momentum=mu)`` over ``topology``.
+
+  Args:
+    inner: the local optimizer, e.g. ``optax.adam(2e-4)``.
+    topology: a pairing of the nodes at every step, e.g. ``gj.topology.random_pairs(n)``;
+      W advances one step of its period per outer round.
+    inner_steps: H, the local steps per round.
+    outer_learning_rate: :math:`\eta`.
+    outer_momentum: :math:`\mu` in [0, 1).
+    backend: where the nodes live (default: simulate).
+
+  Returns:
+    An optax transform over node-stacked params (its ``update`` needs ``params``) whose
+    state is an `OuterState`.
+
+  Raises:
+    TypeError: ``inner`` is not an optax transform, or its state cannot be stacked per node.
+    ValueError: ``topology`` is not a pairing, ``inner_steps`` is not a positive integer,
+      or a rate is out of range.
+
+  Example:
+    Four nodes from 0, 1, 2, 3 with zero gradients: one round of one step, and each node
+    moves half way towards its random peer (0 with 2, 1 with 3):
+
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> tx = gj.noloco(optax.sgd(0.1), gj.topology.random_pairs(4), inner_steps=1, outer_learning_rate=1.0)
+    >>> x = jnp.arange(4.0)[:, None]
+    >>> u, state = tx.update(jnp.zeros_like(x), tx.init(x), x)
+    >>> (x + u).ravel().tolist()
+    [1.0, 2.0, 1.0, 2.0]
+
+  References:
+    Kolehmainen, Blagoev, Donaghy, Ersoy, Nies (2025), NoLoCo: No-all-reduce Low
+    Communication Training Method for Large Models, arXiv:2506.10911 (code:
+    github.com/jkolehm/noloco).
+  """
+  _check_outer_rates(outer_learning_rate, outer_momentum, "gj.noloco")
+  _check_transform(inner, "gj.noloco", "inner", "optax.adam(2e-4)")
+  _check_pairing(topology, "gj.noloco")
+  outer = optax.sgd(outer_learning_rate, momentum=outer_momentum)
+  return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.noloco")
