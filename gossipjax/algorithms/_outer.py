@@ -221,7 +221,8 @@ def diloco(
   Args:
     inner: the local optimizer, e.g. ``optax.adamw(4e-4, weight_decay=0.1)`` (the paper's).
     inner_steps: H, the local steps per round; the paper uses 500 for language models.
-    outer_learning_rate: :math:`\eta` (0.7 in the paper).
+    outer_learning_rate: :math:`\eta` (0.7 in the paper), or an optax schedule, called with
+      the outer round.
     outer_momentum: :math:`\mu` in [0, 1) (0.9 in the paper).
     nesterov: Nesterov momentum (the paper's) or heavy-ball.
     backend: where the nodes live (default: simulate); provides the all-reduce.
@@ -313,7 +314,7 @@ def noloco(
     topology: a pairing of the nodes at every step, e.g. ``gj.topology.random_pairs(n)``;
       W advances one step of its period per outer round.
     inner_steps: H, the local steps per round.
-    outer_learning_rate: :math:`\eta`.
+    outer_learning_rate: :math:`\eta`, or an optax schedule, called with the outer round.
     outer_momentum: :math:`\mu` in [0, 1).
     backend: where the nodes live (default: simulate).
 

@@ -6,6 +6,8 @@ a round and the outer step has something to do.
 """
 
 import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -289,3 +291,13 @@ def test_bad_input_names_the_argument():
   tx = gj.diloco(labelled, inner_steps=2)
   with pytest.raises(TypeError, match=r"^gj\.diloco: the state of inner cannot be stacked per node"):
     tx.init(jnp.ones((N, 2)))
+
+
+@pytest.mark.mpi
+def test_mpi_ranks_equal_the_simulation():
+  from _launch import mpiexec, run
+
+  script = Path(__file__).parents[1] / "mpi" / "check_outer.py"
+  res = run([*mpiexec(2), sys.executable, script], timeout=180, cwd=script.parent)
+  assert res.returncode == 0, res.stdout[-4000:]
+  assert sorted(re.findall(r"^rank (\d)/2: OK", res.stdout, flags=re.MULTILINE)) == ["0", "1"], res.stdout[-4000:]

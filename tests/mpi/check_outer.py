@@ -1,0 +1,56 @@
+"""DiLoCo and NoLoCo under ``mpiexec -n 2``: each rank's block of nodes equals a simulate run it computes itself.
+
+Launched by ``tests/algorithms/test_outer.py``; rank 0 prints one ``OK`` line per rank, and
+a rank with a mismatch, or with an MPI call outside the outer step, exits non-zero.
+"""
+
+import sys
+
+
+def main() -> int:
+  import jax
+  import numpy as np
+  import optax
+
+  jax.config.update("jax_enable_x64", True)
+  jax.config.update("jax_numpy_rank_promotion", "raise")
+  import backend_cases as cases
+
+  import gossipjax as gj
+  from gossipjax import topology as T
+
+  be = gj.backend.mpi()
+  n, steps = 2 * be.size, 7
+  methods = {
+      "diloco": lambda be: gj.diloco(optax.adam(0.05), inner_steps=3, backend=be),
+      "noloco": lambda be: gj.noloco(optax.adam(0.05), T.random_pairs(n, seed=1, period=4), inner_steps=3,
+                                     backend=be),
+  }
+  x0, a, b = cases.problem(n)
+  mine = be.node_slice(n)
+  errors, worst = [], 0.0
+  for name, make in methods.items():
+    want = cases.trajectory(make(None), x0, a, b, steps)[:, mine]
+    got = cases.trajectory(make(be), x0[mine], a[mine], b[mine], steps)
+    worst = max(worst, float(np.max(np.abs(got - want))))
+    if not np.allclose(got, want, rtol=0, atol=1e-12):
+      errors.append(f"{name}: max |mpi - simulate| = {np.max(np.abs(got - want)):.3g}")
+    # The MPI calls sit in the outer step's branch: the inner branch is the identity.
+    tx = make(be)
+    x = x0[mine]
+    jaxpr = jax.make_jaxpr(lambda g, s, x: tx.update(g, s, x))(x, tx.init(x), x)
+    in_cond = sum(str(e).count("_mpi[") for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond")
+    if not 0 < in_cond == str(jaxpr).count("_mpi["):
+      errors.append(f"{name}: {str(jaxpr).count('_mpi[')} MPI calls, {in_cond} of them in the outer step's cond")
+
+  reports = be.comm.gather((be.rank, worst, errors), root=0)
+  if be.rank == 0:
+    lines = [f"rank {r}: FAIL {e}" for r, _, errs in reports for e in errs]
+    lines += [f"rank {r}/{be.size}: OK max error {w:.2e}" for r, w, errs in reports if not errs]
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
+  return 1 if errors else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
