@@ -34,6 +34,7 @@ TOPOLOGIES: dict[str, Callable[[int], T.Topology]] = {
     "star": lambda n: T.star(n, weights="metropolis"),
     "hypercube": T.hypercube,
     "complete": T.complete,
+    "random_pairs": T.random_pairs,
 }
 
 COMPRESSORS: dict[str, Callable[[float], compress.Compressor]] = {
@@ -55,17 +56,29 @@ class AlgorithmOptions:
     compress_fraction: the fraction of entries ``top_k`` and ``random_k`` keep.
     consensus_step: CHOCO-SGD's consensus step size, in (0, 1].
     average_every: DmSGD with periodic global averaging: steps between all-reduces.
+    inner_steps: DiLoCo and NoLoCo: local steps per round, H.
+    outer_learning_rate: DiLoCo and NoLoCo: the outer learning rate.
+    outer_momentum: DiLoCo and NoLoCo: the outer momentum; ``None`` takes each method's
+      default (0.9, Nesterov, for DiLoCo; 0.5 for NoLoCo).
   """
 
   compressor: str = "top_k"
   compress_fraction: float = 0.1
   consensus_step: float = 0.3
   average_every: int = 10
+  inner_steps: int = 10
+  outer_learning_rate: float = 0.7
+  outer_momentum: float | None = None
+
+
+def _outer_momentum(o: AlgorithmOptions, default: float) -> dict:
+  return {"outer_learning_rate": o.outer_learning_rate,
+          "outer_momentum": default if o.outer_momentum is None else o.outer_momentum}
 
 
 #: The algorithms by the names the command line and configs use: ``name -> (topology or None,
-#: learning rate, beta, backend, options) -> optax transform``; ``allreduce`` and ``easgd``
-#: take no topology. Build one with `make_algorithm`.
+#: learning rate, beta, backend, options) -> optax transform``; ``allreduce``, ``easgd`` and
+#: ``diloco`` take no topology. Build one with `make_algorithm`.
 ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "allreduce": lambda topo, lr, beta, be, o: gj.allreduce_sgd(beta, learning_rate=lr, backend=be),
     "dpsgd": lambda topo, lr, beta, be, o: gj.gossip_sgd(topo, beta=0.0, learning_rate=lr, backend=be),
@@ -83,13 +96,22 @@ ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
         gj.gossip_sgd(topo, beta=beta, learning_rate=lr, backend=be), gj.periodic_average(o.average_every, backend=be)),
     "d_adam": lambda topo, lr, beta, be, o: optax.chain(optax.adam(lr, b1=beta), gj.mix(topo, backend=be)),
     "easgd": lambda topo, lr, beta, be, o: gj.easgd(learning_rate=lr, backend=be),
+    # Local training with an outer optimizer: inner AdamW (b1 = --beta), H = --inner-steps.
+    "diloco": lambda topo, lr, beta, be, o: gj.diloco(
+        optax.adamw(lr, b1=beta), inner_steps=o.inner_steps, backend=be, **_outer_momentum(o, 0.9)),
+    "noloco": lambda topo, lr, beta, be, o: gj.noloco(
+        optax.adamw(lr, b1=beta), topo, inner_steps=o.inner_steps, backend=be, **_outer_momentum(o, 0.5)),
 }
 
 # The momentum each algorithm runs with, for legends: the --beta flag, none, or a fixed value.
 MOMENTUM = {"dpsgd": 0.0, "gradient_tracking": None, "exact_diffusion": None, "extra": None, "choco": None,
             "easgd": None}
 
-NEEDS_NO_TOPOLOGY = frozenset({"allreduce", "easgd"})
+NEEDS_NO_TOPOLOGY = frozenset({"allreduce", "easgd", "diloco"})
+
+#: Algorithms that run on one topology of their own, whatever --topologies says: NoLoCo pairs
+#: the nodes at random in every round.
+OWN_TOPOLOGY = {"noloco": "random_pairs"}
 
 
 def make_topology(name: str, n: int) -> T.Topology:
@@ -124,12 +146,13 @@ def make_algorithm(name: str, topo: T.Topology | None, lr: optax.ScalarOrSchedul
   Args:
     name: ``"dmsgd"``, ``"dpsgd"``, ``"allreduce"``, ``"choco"``, ... (the keys of
       `ALGORITHMS`).
-    topo: the topology (``None`` for ``allreduce`` and ``easgd``).
+    topo: the topology (``None`` for ``allreduce``, ``easgd`` and ``diloco``).
     lr: the learning rate, a float or an optax schedule.
     beta: the momentum, for the algorithms that take one (D-PSGD ignores it).
     backend: where the nodes live (default: simulate).
     options: what some algorithms take beyond the learning rate and momentum (CHOCO's
-      compressor and consensus step, the period of periodic global averaging).
+      compressor and consensus step, the period of periodic global averaging, DiLoCo's and
+      NoLoCo's inner steps and outer optimizer).
 
   Returns:
     An ``optax.GradientTransformation`` over stacked (node-axis) params.
