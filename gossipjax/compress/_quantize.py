@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from gossipjax.compress._base import Compressor, value_bits
+from gossipjax.compress._base import Compressor, require_floating
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,22 +22,36 @@ class Sign(Compressor):
     (Sign(), False)
   """
 
-  def _leaf(self, x, key):
-    del key
-    return (jnp.sum(jnp.abs(x)) / x.size).astype(x.dtype) * jnp.sign(x)
+  _name: ClassVar[str] = "gj.compress.sign"
 
-  def _leaf_bits(self, x):
-    return jnp.asarray(float(x.size + value_bits(x)))
+  def _encode(self, x, key):
+    del key
+    scale = (jnp.sum(jnp.abs(x)) / x.size).astype(x.dtype)
+    return jnp.packbits(x.ravel() >= 0), scale  # bit 1: sent as +scale
+
+  def _decode(self, compact, key, shape, dtype):
+    del key
+    packed, scale = compact
+    positive = jnp.unpackbits(packed, count=math.prod(shape)).reshape(shape).astype(bool)
+    return jnp.where(positive, scale, -scale).astype(dtype)
+
+  def _check_dtype(self, dtype):
+    require_floating(dtype, self._name, "the scale ||x||_1 / d")
 
 
 def sign() -> Sign:
   """Scaled sign, ``C(x) = (||x||_1 / d) sign(x)`` per layer (Karimireddy et al. 2019).
 
-  Biased; a contraction with ``delta = ||x||_1^2 / (d ||x||_2^2) >= 1 / d``.
-  Bits: one per entry plus the scale.
+  An entry that is exactly zero counts as positive (``sign(0) = +1``), so every entry is
+  one bit. Biased; a contraction with ``delta = ||x||_1^2 / (d ||x||_2^2) >= 1 / d``.
+  Wire form per layer: the sign bits packed eight to a byte (``uint8``, as
+  ``np.packbits``), ``ceil(d / 8)`` bytes, and the scale in the layer's dtype.
 
   Returns:
     A `Sign` compressor.
+
+  Raises:
+    TypeError: a leaf given to ``compress`` or ``encode_leaf`` is not floating point.
 
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
@@ -44,8 +59,11 @@ def sign() -> Sign:
     >>> x = jnp.array([3.0, -1.0, 0.5, -4.0], jnp.float32)  # ||x||_1 / d = 8.5 / 4
     >>> c.compress(x, jax.random.PRNGKey(0)).tolist()
     [2.125, -2.125, 2.125, -2.125]
-    >>> float(c.bits(x))  # 4 sign bits and a 32-bit scale
-    36.0
+    >>> packed, scale = c.encode_leaf(x, jax.random.PRNGKey(0))  # signs + - + -: 0b10100000
+    >>> packed.tolist(), float(scale)
+    ([160], 2.125)
+    >>> float(c.bits(x))  # 4 sign bits padded to a byte, and a 32-bit scale
+    40.0
 
   References:
     Karimireddy, Rebjock, Stich, Jaggi (2019), Error Feedback Fixes SignSGD and other
@@ -75,10 +93,11 @@ class QSGD(Compressor):
 
   levels: int
   scaled: bool = True
+  _name: ClassVar[str] = "gj.compress.qsgd"
 
   def __post_init__(self):
-    if isinstance(self.levels, bool) or not isinstance(self.levels, int) or self.levels < 1:
-      raise ValueError(f"qsgd: levels must be a positive integer, got {self.levels!r}")
+    if (isinstance(self.levels, bool) or not isinstance(self.levels, int) or not 1 <= self.levels < 2**31):
+      raise ValueError(f"{self._name}: levels must be a positive integer below 2**31, got {self.levels!r}")
 
   @property
   def unbiased(self) -> bool:  # type: ignore[override]
@@ -88,17 +107,26 @@ class QSGD(Compressor):
     s = self.levels
     return min(size / s**2, math.sqrt(size) / s)
 
-  def _leaf(self, x, key):
+  def _level_dtype(self) -> jnp.dtype:
+    """The smallest signed integer dtype that holds the levels ``-s, ..., s``."""
+    return next(jnp.dtype(t) for t in (jnp.int8, jnp.int16, jnp.int32) if self.levels <= jnp.iinfo(t).max)
+
+  def _encode(self, x, key):
     s = self.levels
     norm = jnp.sqrt(jnp.sum(x * x))
     r = jnp.abs(x) / jnp.where(norm == 0, 1, norm) * s
     lower = jnp.floor(r)
     level = lower + (jax.random.uniform(key, x.shape, r.dtype) < r - lower)
-    q = (norm / s * jnp.sign(x) * level).astype(x.dtype)
-    return q if self.scaled else (q / (1.0 + self.omega(x.size))).astype(x.dtype)
+    return jnp.where(x < 0, -level, level).astype(self._level_dtype()), norm
 
-  def _leaf_bits(self, x):
-    return jnp.asarray(float(x.size * (1 + max(1, math.ceil(math.log2(self.levels + 1)))) + value_bits(x)))
+  def _decode(self, compact, key, shape, dtype):
+    del key
+    level, norm = compact
+    q = (norm / self.levels * level.astype(dtype)).astype(dtype)
+    return q if self.scaled else (q / (1.0 + self.omega(math.prod(shape)))).astype(dtype)
+
+  def _check_dtype(self, dtype):
+    require_floating(dtype, self._name, "the levels' scale ||x||_2 / s")
 
   def contraction(self):
     return QSGD(self.levels, scaled=False)
@@ -110,8 +138,10 @@ def qsgd(levels: int, scaled: bool = True) -> QSGD:
   ``C(x) = ||x||_2 sign(x) xi(x) / s`` where ``xi_i`` rounds ``s |x_i| / ||x||_2`` up or
   down at random so that ``E[C(x)] = x``; variance ``omega = min(d / s^2, sqrt(d) / s)``.
   ``scaled=False`` divides by ``1 + omega``, the contraction CHOCO-SGD uses (Koloskova
-  et al. 2019). Bits: a fixed-length code of one sign bit and ``ceil(log2(s + 1))`` level
-  bits per entry, plus the norm (Elias coding, as in the paper, would send fewer).
+  et al. 2019). Wire form per layer: every entry's signed level ``sign(x_i) xi_i`` in
+  ``-s, ..., s`` as ``int8`` (``int16`` above 127 levels, ``int32`` above 32,767), and
+  the norm in the layer's dtype. (A bit-packed code of ``1 + ceil(log2(s + 1))`` bits per
+  entry, or the paper's Elias coding, would send fewer.)
 
   Args:
     levels: s, the number of quantization levels per sign (a positive integer).
@@ -122,7 +152,8 @@ def qsgd(levels: int, scaled: bool = True) -> QSGD:
     A `QSGD` compressor.
 
   Raises:
-    ValueError: ``levels`` is not a positive integer.
+    ValueError: ``levels`` is not a positive integer below ``2**31``.
+    TypeError: a leaf given to ``compress`` or ``encode_leaf`` is not floating point.
 
   Example:
     Every entry becomes one of the levels ``k ||x||_2 / s`` with the sign of ``x``:
@@ -133,8 +164,11 @@ def qsgd(levels: int, scaled: bool = True) -> QSGD:
     >>> levels = c.compress(x, jax.random.PRNGKey(0)) / (jnp.linalg.norm(x) / 4)
     >>> bool(jnp.allclose(levels, jnp.round(levels), atol=1e-5)), bool(jnp.all(levels * x >= 0))
     (True, True)
-    >>> float(c.bits(x))  # 1 sign and 3 level bits per entry, and a 32-bit norm
-    48.0
+    >>> level, norm = c.encode_leaf(x, jax.random.PRNGKey(0))  # what crosses the wire
+    >>> level.dtype, norm.dtype
+    (dtype('int8'), dtype('float32'))
+    >>> float(c.bits(x))  # one byte per entry, and a 32-bit norm
+    64.0
 
   References:
     Alistarh, Grubic, Li, Tomioka, Vojnovic (2017), QSGD: Communication-Efficient SGD via

@@ -4,20 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gossipjax.compress._base import Compressor, check_fraction, sparse_bits
+from gossipjax.compress._base import Compressor, check_fraction, require_floating
 
 
 def _num_kept(fraction: float, size: int) -> int:
   return min(size, max(1, math.ceil(fraction * size - 1e-9)))
 
 
-def _scatter(x: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
-  return jnp.zeros(x.size, x.dtype).at[idx].set(values).reshape(x.shape)
+def _scatter(shape: tuple[int, ...], dtype, idx: jax.Array, values: jax.Array) -> jax.Array:
+  return jnp.zeros(math.prod(shape), dtype).at[idx].set(values).reshape(shape)
+
+
+def index_dtype(size: int, name: str) -> jnp.dtype:
+  """The smallest unsigned integer dtype that addresses ``size`` entries."""
+  for dtype in (jnp.uint8, jnp.uint16, jnp.uint32):
+    if size <= 2 ** (8 * jnp.dtype(dtype).itemsize):
+      return jnp.dtype(dtype)
+  raise ValueError(f"{name}: a leaf of {size} entries cannot be addressed with 32-bit indices; split it into "
+                   "smaller leaves")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,25 +46,46 @@ class TopK(Compressor):
   """
 
   fraction: float
+  _name: ClassVar[str] = "gj.compress.top_k"
 
   def __post_init__(self):
-    check_fraction(self.fraction, "gj.compress.top_k")
+    check_fraction(self.fraction, self._name)
+
+  def _top(self, x):
+    flat = x.ravel()
+    _, idx = lax.top_k(jnp.abs(flat), _num_kept(self.fraction, x.size))
+    return idx, flat[idx]
+
+  def _sparse_is_smaller(self, size, dtype):
+    k = _num_kept(self.fraction, size)
+    return k * (jnp.dtype(dtype).itemsize + index_dtype(size, self._name).itemsize) < size * jnp.dtype(dtype).itemsize
 
   def _leaf(self, x, key):
     del key
-    flat = x.ravel()
-    _, idx = lax.top_k(jnp.abs(flat), _num_kept(self.fraction, x.size))
-    return _scatter(x, idx, flat[idx])
+    idx, values = self._top(x)
+    return _scatter(x.shape, x.dtype, idx, values)
 
-  def _leaf_bits(self, x):
-    return sparse_bits(_num_kept(self.fraction, x.size), x)
+  def _encode(self, x, key):
+    if not self._sparse_is_smaller(x.size, x.dtype):
+      return (self._leaf(x, key),)
+    idx, values = self._top(x)
+    return values, idx.astype(index_dtype(x.size, self._name))
+
+  def _decode(self, compact, key, shape, dtype):
+    del key
+    if not self._sparse_is_smaller(math.prod(shape), dtype):
+      return compact[0]
+    values, idx = compact
+    return _scatter(shape, dtype, idx.astype(jnp.int32), values)
 
 
 def top_k(fraction: float) -> TopK:
   """Keeps the ``k = ceil(fraction * d)`` largest-magnitude entries of each layer.
 
-  Biased; a contraction with ``delta = k / d`` (Stich et al. 2018). Bits: k values and
-  their ``ceil(log2 d)``-bit indices per layer (or the dense layer when smaller).
+  Biased; a contraction with ``delta = k / d`` (Stich et al. 2018). Wire form per layer:
+  the k values (in the layer's dtype) and their indices in the smallest unsigned integer
+  that addresses the layer (``uint8`` up to 256 entries, ``uint16`` up to 65,536, else
+  ``uint32``), or the dense layer when that is not larger.
 
   ``k`` is rounded up, so every layer keeps at least one entry; the CHOCO-SGD authors'
   code rounds down (``int(fraction * d)``), which keeps one entry fewer whenever
@@ -68,14 +99,18 @@ def top_k(fraction: float) -> TopK:
 
   Raises:
     ValueError: ``fraction`` is not in (0, 1].
+    TypeError: a leaf given to ``compress`` or ``encode_leaf`` is complex or boolean.
 
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
     >>> c = gj.compress.top_k(0.5)
     >>> c.compress(jnp.array([3.0, -1.0, 0.5, -4.0]), jax.random.PRNGKey(0)).tolist()
     [3.0, 0.0, 0.0, -4.0]
-    >>> float(c.bits(jnp.zeros(4, jnp.float32)))  # 2 values of 32 bits, 2 indices of 2 bits
-    68.0
+    >>> values, indices = c.encode_leaf(jnp.array([3.0, -1.0, 0.5, -4.0], jnp.float32), jax.random.PRNGKey(0))
+    >>> values.tolist(), indices.tolist(), indices.dtype
+    ([-4.0, 3.0], [3, 0], dtype('uint8'))
+    >>> float(c.bits(jnp.zeros(4, jnp.float32)))  # 2 values of 32 bits, 2 indices of 8 bits
+    80.0
 
   References:
     Stich, Cordonnier, Jaggi (2018), Sparsified SGD with Memory, NeurIPS.
@@ -103,23 +138,33 @@ class RandomK(Compressor):
 
   fraction: float
   scaled: bool = True
+  _name: ClassVar[str] = "gj.compress.random_k"
 
   def __post_init__(self):
-    check_fraction(self.fraction, "gj.compress.random_k")
+    check_fraction(self.fraction, self._name)
 
   @property
   def unbiased(self) -> bool:  # type: ignore[override]
     return self.scaled
 
-  def _leaf(self, x, key):
-    k = _num_kept(self.fraction, x.size)
-    _, idx = lax.top_k(jax.random.uniform(key, (x.size,)), k)  # k distinct uniform indices
-    flat = x.ravel()
-    values = flat[idx] * (x.size / k) if self.scaled else flat[idx]
-    return _scatter(x, idx, values.astype(x.dtype))
+  def _indices(self, size, key):
+    _, idx = lax.top_k(jax.random.uniform(key, (size,)), _num_kept(self.fraction, size))
+    return idx  # k distinct uniform indices: the receiver draws the same ones from the key
 
-  def _leaf_bits(self, x):
-    return sparse_bits(_num_kept(self.fraction, x.size), x)
+  def _encode(self, x, key):
+    idx = self._indices(x.size, key)
+    values = x.ravel()[idx]
+    if self.scaled:
+      values = values * (x.size / idx.size)
+    return (values.astype(x.dtype),)
+
+  def _decode(self, compact, key, shape, dtype):
+    return _scatter(shape, dtype, self._indices(math.prod(shape), key), compact[0])
+
+  def _check_dtype(self, dtype):
+    if self.scaled:
+      require_floating(dtype, self._name, "scaling the kept entries by d / k (scaled=True)")
+    super()._check_dtype(dtype)
 
   def omega(self, size):
     if not self.scaled:
@@ -135,7 +180,8 @@ def random_k(fraction: float, scaled: bool = True) -> RandomK:
 
   With ``scaled=True`` the kept entries are multiplied by ``d / k``, so ``E[C(x)] = x``
   (unbiased, ``omega = d / k - 1``); with ``scaled=False`` it is a contraction with
-  ``delta = k / d`` in expectation. Bits as ``top_k``.
+  ``delta = k / d`` in expectation. Wire form per layer: the k values only. Sender and
+  receiver share the key, so the receiver draws the same indices instead of receiving them.
 
   Args:
     fraction: the share of each layer's entries to keep, in (0, 1].
@@ -146,6 +192,8 @@ def random_k(fraction: float, scaled: bool = True) -> RandomK:
 
   Raises:
     ValueError: ``fraction`` is not in (0, 1].
+    TypeError: a leaf given to ``compress`` or ``encode_leaf`` is complex or boolean, or
+      not floating point while ``scaled=True``.
 
   Example:
     Two of the four entries are kept, each multiplied by ``d / k = 2``:
@@ -156,8 +204,8 @@ def random_k(fraction: float, scaled: bool = True) -> RandomK:
     >>> q = c.compress(x, jax.random.PRNGKey(0))
     >>> int((q != 0).sum()), bool(jnp.all((q == 0) | (q == 2 * x)))
     (2, True)
-    >>> float(c.bits(x))  # 2 values of 32 bits, 2 indices of 2 bits
-    68.0
+    >>> float(c.bits(x))  # 2 values of 32 bits; the indices come from the shared key
+    64.0
 
   References:
     Stich, Cordonnier, Jaggi (2018), Sparsified SGD with Memory, NeurIPS.
@@ -182,18 +230,20 @@ class ThresholdMean(Compressor):
   """
 
   absolute: bool = True
+  _name: ClassVar[str] = "gj.compress.threshold_mean"
 
   def _mask(self, x):
     if self.absolute:
       return (jnp.abs(x) >= jnp.mean(jnp.abs(x))) & (x != 0)
     return (x >= jnp.mean(x)) & (x != 0)
 
-  def _leaf(self, x, key):
+  def _encode(self, x, key):
     del key
-    return jnp.where(self._mask(x), x, jnp.zeros_like(x))
+    return (jnp.where(self._mask(x), x, jnp.zeros_like(x)),)
 
-  def _leaf_bits(self, x):
-    return sparse_bits(jnp.sum(self._mask(x)), x)
+  def _decode(self, compact, key, shape, dtype):
+    del key, shape, dtype
+    return compact[0]
 
 
 def threshold_mean(absolute: bool = True) -> ThresholdMean:
@@ -204,13 +254,21 @@ def threshold_mean(absolute: bool = True) -> ThresholdMean:
   magnitude reading, a contraction (the largest entry is always kept, so
   ``delta >= 1 / d``). ``absolute=False`` is the literal rule of Cui's Algorithm 1,
   ``x_i >= mean_j x_j``, which drops large negative entries and is not a contraction.
-  The number of entries kept depends on the data, so ``bits`` is computed from ``x``.
+
+  The number of entries kept depends on the data and can be all of them (a layer whose
+  entries have equal magnitudes), so a message of fixed shape, which a backend's
+  preallocated buffers need, is the dense layer with zeros: its wire form and ``bits``
+  are the dense layer's. The saving this rule promises needs a variable-length message
+  (the kept values and their indices), which `encode_leaf` does not build.
 
   Args:
     absolute: keep ``|x_i| >= mean |x|`` (``True``) or, literally, ``x_i >= mean x``.
 
   Returns:
     A `ThresholdMean` compressor.
+
+  Raises:
+    TypeError: a leaf given to ``compress`` or ``encode_leaf`` is complex or boolean.
 
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
@@ -219,6 +277,8 @@ def threshold_mean(absolute: bool = True) -> ThresholdMean:
     [3.0, 0.0, 0.0, -4.0]
     >>> gj.compress.threshold_mean(absolute=False).compress(x, jax.random.PRNGKey(0)).tolist()
     [3.0, 0.0, 0.5, 0.0]
+    >>> float(gj.compress.threshold_mean().bits(x))  # fixed shape: the dense layer, 4 x 32 bits
+    128.0
 
   References:
     Cui (2019), Decentralized Deep Learning with Gradient Compression, Bulletin of the
