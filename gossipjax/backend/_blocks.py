@@ -2,19 +2,32 @@
 
 With n nodes on K devices (or MPI ranks), device d holds the block of B = n / K nodes
 ``d*B ... d*B + B - 1``. A node-level round is a partial permutation over nodes; its edges
-that cross devices are grouped by device offset ``o = (dst_device - src_device) mod K``.
-For one offset every device sends to exactly one other, so the offset is one ``ppermute``
-(one ``sendrecv`` per rank), and it carries only the rows a neighbour reads, merged over
-all rounds of the plan. A cyclic node shift ``h`` therefore needs at most two exchanges,
-and the data a device sends is O(degree * B * d), never an all-gather.
+that cross devices are grouped by (device offset ``o = (dst_device - src_device) mod K``,
+source device), and those groups are coloured into **exchanges**, partial permutations of
+devices in which every device sends to at most one other and receives from at most one.
+An exchange is one ``ppermute`` (one ``sendrecv`` per rank), and it carries only the rows a
+neighbour reads, merged over all rounds of the plan. A cyclic node shift ``h`` therefore
+needs at most two exchanges, a matching of nodes across devices one, and the data a device
+sends is O(degree * B * d), never an all-gather.
 
-The receiver then rebuilds each node-level round from its own block and the received
+Before exchanging, the leaves of a tree are packed into **buckets**: the leaves of one
+dtype, flattened to (B, size) and concatenated, up to ``bucket_bytes`` per node (as PyTorch
+DDP's gradient buckets and Horovod's fusion buffer do). One exchange then moves one message
+per bucket, however many leaves the model has, and the mixing below runs once per bucket.
+
+The receiver rebuilds each node-level round from its own block and the received
 buffers, and sums ``self_weight * x + sum_r weight_r * received_r`` in the same order as
 the simulator, so the numbers match it to round-off.
 
 A rank-one term ``u v^T`` of the plan (a star's hub, exact averaging) is no exchange: each
 device sums ``v_j x_j`` over its own nodes, one all-reduce (``psum``, an MPI allreduce) of
 that (1, ...) partial sum gives ``v^T x`` everywhere, and each node adds ``u_i v^T x``.
+
+A time-varying topology whose step is traced compiles one ``lax.switch`` branch per
+distinct device-level **exchange pattern** (offsets, sending pairs and message rows), and
+each branch only moves rows; which rows are sent, which received row each node reads and
+with what weight are tables indexed by the step. Compile time then follows the number of
+distinct patterns, and every step sends only its own exchanges.
 """
 
 from __future__ import annotations
@@ -29,22 +42,33 @@ import numpy as np
 from gossipjax.backend._precision import accumulation_dtype
 from gossipjax.topology import MixingPlan, Topology
 
+# PyTorch DDP's default bucket (``bucket_cap_mb=25``): large enough that a ResNet-50's 160
+# leaves travel as a few messages, small enough that the packing copy stays in cache-sized pieces.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+# A round read as more separate slices than this is one gather instead (a faster trace and compile).
+_MAX_SLICES = 8
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Exchange:
-  """One device offset of a plan: device ``s`` sends ``send_rows[s, :count[s]]`` to ``(s + offset) % K``.
+  """One partial permutation of devices: device ``s`` sends ``send_rows[s, :count[s]]`` to ``dest[s]``.
 
   Attributes:
-    offset: the device offset, in ``1 ... K - 1``.
+    index: the exchange's place in its plan (the MPI tag).
     pairs: ``(source device, destination device)`` for every device that sends (the ppermute perm).
     send_rows: int (K, m), the local rows each device sends, padded with 0 to the longest, m.
     count: int (K,), how many rows each device really sends (0 where it sends nothing).
+    dest: int (K,), the device each one sends to (-1: none).
+    source: int (K,), the device each one receives from (-1: none).
   """
 
-  offset: int
+  index: int
   pairs: tuple[tuple[int, int], ...]
   send_rows: np.ndarray
   count: np.ndarray
+  dest: np.ndarray
+  source: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -53,11 +77,17 @@ class BlockRound:
 
   Buffer 0 is the device's own block, buffer ``1 + e`` what exchange ``e`` delivered.
   Receivers with weight 0 read their own row (as the simulator's gather does).
+
+  Attributes:
+    slices: per device, the round's reads as runs ``(buffer, first row, length)`` of
+      consecutive rows, or ``None`` where there are more than a few (then one gather);
+      found once, when the plan is compiled, so tracing a step does no per-row work.
   """
 
   buffer: np.ndarray
   row: np.ndarray
   weight: np.ndarray
+  slices: tuple[tuple[tuple[int, int, int], ...] | None, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -79,6 +109,11 @@ class BlockPlan:
   rounds: tuple[BlockRound, ...]
   rank_one: tuple[BlockRankOne, ...] = ()
 
+  @property
+  def pattern(self) -> tuple:
+    """The device-level exchanges (pairs, rows each device sends): equal patterns compile to one branch."""
+    return tuple((ex.pairs, tuple(ex.count.tolist())) for ex in self.exchanges)
+
 
 def check_divisible(topology: Topology, num_devices: int, where: str) -> int:
   """Returns B = n / K, or raises ``ValueError`` saying how to fix an uneven split."""
@@ -92,8 +127,55 @@ def check_divisible(topology: Topology, num_devices: int, where: str) -> int:
   return n // num_devices
 
 
+def check_bucket_bytes(bucket_bytes: Any, where: str) -> int:
+  """``bucket_bytes`` as a positive int, or a ``ValueError`` that starts with ``where``."""
+  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
+    raise ValueError(f"{where}: bucket_bytes must be a positive number of bytes (the most of one node's "
+                     f"leaves packed into one message; default {DEFAULT_BUCKET_BYTES}), got {bucket_bytes!r}")
+  return int(bucket_bytes)
+
+
+def _slices(buffer: np.ndarray, row: np.ndarray) -> tuple[tuple[tuple[int, int, int], ...] | None, ...]:
+  """Per device, the runs of consecutive rows of one buffer that a round reads (array work, no row loop)."""
+  k, b = buffer.shape
+  breaks = np.ones((k, b), bool)
+  breaks[:, 1:] = (buffer[:, 1:] != buffer[:, :-1]) | (row[:, 1:] != row[:, :-1] + 1)
+  per_device = []
+  for d in range(k):
+    starts = np.flatnonzero(breaks[d])
+    if len(starts) > _MAX_SLICES:
+      per_device.append(None)
+      continue
+    ends = np.append(starts[1:], b)
+    per_device.append(tuple((int(buffer[d, s]), int(row[d, s]), int(e - s)) for s, e in zip(starts, ends)))
+  return tuple(per_device)
+
+
+def _colour_pairs(offset: np.ndarray, device: np.ndarray, k: int) -> np.ndarray:
+  """Greedy edge colouring of device pairs ``device -> (device + offset) % k``, in the given order.
+
+  Each colour is a partial permutation (one ppermute): no device sends twice or receives
+  twice in it. The loop is over device pairs, at most K per offset, never over rows.
+  """
+  colour = np.zeros(len(offset), np.int64)
+  sending: list[set[int]] = []
+  receiving: list[set[int]] = []
+  for i, (o, d) in enumerate(zip(offset.tolist(), device.tolist())):
+    t = (d + o) % k
+    c = 0
+    while c < len(sending) and (d in sending[c] or t in receiving[c]):
+      c += 1
+    if c == len(sending):
+      sending.append(set())
+      receiving.append(set())
+    sending[c].add(d)
+    receiving[c].add(t)
+    colour[i] = c
+  return colour
+
+
 def compile_plan(plan: MixingPlan, num_devices: int) -> BlockPlan:
-  """Groups a plan's cross-device edges by device offset (see the module docstring).
+  """Groups a plan's cross-device edges into exchanges, partial permutations of devices (module docstring).
 
   Array operations over all edges at once, O(edges log edges): at 65,536 nodes of an
   exponential graph on 2 devices this is about 0.1 s, where a loop over edges took seconds.
@@ -108,18 +190,28 @@ def compile_plan(plan: MixingPlan, num_devices: int) -> BlockPlan:
   cross = off != 0
   sent = np.unique((off[cross] * k + src[cross] // b) * b + src[cross] % b)
   sent_off, sent_dev, sent_row = sent // (k * b), (sent // b) % k, sent % b
-  offsets = np.unique(sent_off)
-  which = np.searchsorted(offsets, sent_off)  # the exchange each sent row travels in
-  group = which * k + sent_dev
-  position = np.arange(len(sent)) - np.searchsorted(group, group)  # its slot in that device's send buffer
-  counts = np.bincount(group, minlength=len(offsets) * k).reshape(len(offsets), k)
+  # The (offset, source device) groups of sent rows, coloured into partial permutations of
+  # devices: a device sends at most once and receives at most once per exchange. Taken in
+  # offset order, a circulant graph gets one exchange per offset; a matching gets one in all.
+  group_key = np.unique(sent_off * k + sent_dev)
+  group = np.searchsorted(group_key, sent_off * k + sent_dev)  # the group each sent row travels in
+  position = np.arange(len(sent)) - np.searchsorted(group, group)  # its slot in that group's send buffer
+  colour = _colour_pairs(group_key // k, group_key % k, k)
+  which = colour[group]  # the exchange each sent row travels in
+  num_ex = int(colour.max()) + 1 if len(colour) else 0
   exchanges = []
-  for e, o in enumerate(offsets.tolist()):
-    mine = which == e
-    send = np.zeros((k, int(counts[e].max())), np.int64)
-    send[sent_dev[mine], position[mine]] = sent_row[mine]
-    pairs = tuple((s, (s + o) % k) for s in range(k) if counts[e, s])
-    exchanges.append(Exchange(o, pairs, send, counts[e].astype(np.int64)))
+  for e in range(num_ex):
+    mine = np.flatnonzero(colour == e)
+    devices, targets = group_key[mine] % k, (group_key[mine] // k + group_key[mine] % k) % k
+    count = np.zeros(k, np.int64)
+    count[devices] = np.bincount(group, minlength=len(group_key))[mine]
+    send = np.zeros((k, int(count.max())), np.int64)
+    rows = np.isin(group, mine)
+    send[sent_dev[rows], position[rows]] = sent_row[rows]
+    dest, source = np.full(k, -1, np.int64), np.full(k, -1, np.int64)
+    dest[devices], source[targets] = targets, devices
+    pairs = tuple((int(a), int(t)) for a, t in sorted(zip(devices.tolist(), targets.tolist())))
+    exchanges.append(Exchange(e, pairs, send, count, dest, source))
   rounds = []
   bounds = np.cumsum([0] + [len(i) for i in live])
   for r, a, z in zip(plan.rounds, bounds[:-1], bounds[1:]):
@@ -132,9 +224,62 @@ def compile_plan(plan: MixingPlan, num_devices: int) -> BlockPlan:
     buffer[d // b, d % b] = np.where(far, 1 + which[np.minimum(slot, len(sent) - 1)] if len(sent) else 0, 0)
     row[d // b, d % b] = np.where(far, position[np.minimum(slot, len(sent) - 1)] if len(sent) else 0, j % b)
     weight[d // b, d % b] = r.weight[d]
-    rounds.append(BlockRound(buffer, row, weight))
+    rounds.append(BlockRound(buffer, row, weight, _slices(buffer, row)))
   rank_one = tuple(BlockRankOne(t.u.reshape(k, b).copy(), t.v.reshape(k, b).copy()) for t in plan.rank_one)
   return BlockPlan(k, b, plan.self_weight.reshape(k, b).copy(), tuple(exchanges), tuple(rounds), rank_one)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepTable:
+  """The plans of a period as data indexed by the step, for a traced step (module docstring).
+
+  Attributes:
+    patterns: one representative plan per distinct exchange pattern.
+    pattern_of: int (period,), the pattern of each step.
+    send_rows: int (period, E, K, M), the rows exchange ``e`` of the step's pattern sends.
+    rows: int (period, R, K, B), for each round the row of ``concat(own block, E received
+      buffers of M rows)`` each node reads (its own row where the round has no edge for it).
+    weight: (period, R, K, B), the rounds' weights (0 where a step has fewer rounds).
+    self_weight: (period, K, B).
+  """
+
+  patterns: tuple[BlockPlan, ...]
+  pattern_of: np.ndarray
+  send_rows: np.ndarray
+  rows: np.ndarray
+  weight: np.ndarray
+  self_weight: np.ndarray
+
+  @property
+  def max_rows(self) -> int:
+    return self.send_rows.shape[3]
+
+
+def step_table(plans: Sequence[BlockPlan]) -> StepTable:
+  """Stacks a period of compiled plans (without rank-one terms) into a `StepTable`."""
+  k, b = plans[0].num_devices, plans[0].block
+  keys, patterns, pattern_of = {}, [], []
+  for p in plans:
+    if p.pattern not in keys:
+      keys[p.pattern] = len(patterns)
+      patterns.append(p)
+    pattern_of.append(keys[p.pattern])
+  num_ex = max(len(p.exchanges) for p in plans)
+  m = max([ex.send_rows.shape[1] for p in plans for ex in p.exchanges] or [1])
+  num_rounds = max(1, max(len(p.rounds) for p in plans))
+  period = len(plans)
+  send_rows = np.zeros((period, max(1, num_ex), k, m), np.int64)
+  rows = np.tile(np.arange(b), (period, num_rounds, k, 1))
+  weight = np.zeros((period, num_rounds, k, b))
+  for s, p in enumerate(plans):
+    for e, ex in enumerate(p.exchanges):
+      send_rows[s, e, :, :ex.send_rows.shape[1]] = ex.send_rows
+    for r, rnd in enumerate(p.rounds):
+      start = np.where(rnd.buffer == 0, 0, b + (rnd.buffer - 1) * m)  # received buffers are padded to m rows
+      rows[s, r] = start + rnd.row
+      weight[s, r] = rnd.weight
+  self_weight = np.stack([p.self_weight for p in plans])
+  return StepTable(tuple(patterns), np.asarray(pattern_of, np.int32), send_rows, rows, weight, self_weight)
 
 
 def compile_topology(topology: Topology, num_devices: int) -> tuple[BlockPlan, ...]:
@@ -166,23 +311,27 @@ def _weight(w: np.ndarray | jax.Array, like: jax.Array) -> Any:
 
 def _take(x: jax.Array, idx: np.ndarray | jax.Array) -> jax.Array:
   if isinstance(idx, np.ndarray):
-    if idx.size and np.array_equal(idx, np.arange(idx[0], idx[0] + idx.size)):
+    if idx.size and idx[-1] - idx[0] == idx.size - 1 and np.array_equal(idx, np.arange(idx[0], idx[0] + idx.size)):
       return x if idx.size == x.shape[0] else jax.lax.slice_in_dim(x, int(idx[0]), int(idx[0]) + idx.size)
   return jnp.take(x, jnp.asarray(idx), axis=0)
 
 
-def _assemble(bufs: Sequence[jax.Array | None], buffer: Any, row: Any) -> jax.Array:
-  """The (B, ...) rows a round reads: static runs of slices where possible, else one gather."""
-  if isinstance(buffer, np.ndarray) and isinstance(row, np.ndarray):
-    pieces, start = [], 0
-    for i in range(1, len(buffer) + 1):
-      if i == len(buffer) or buffer[i] != buffer[start] or row[i] != row[i - 1] + 1:
-        pieces.append(_take(bufs[buffer[start]], np.arange(row[start], row[start] + i - start)))
-        start = i
+def _assemble(bufs: Sequence[jax.Array | None], r: BlockRound, device: Any) -> jax.Array:
+  """The (B, ...) rows a round reads: the compiled runs of slices where known, else one gather."""
+  if isinstance(device, (int, np.integer)):
+    slices = r.slices[int(device)]
+  elif all(s == r.slices[0] for s in r.slices):
+    slices = r.slices[0]
+  else:
+    slices = None
+  if slices is not None:
+    pieces = [_take(bufs[buf], np.arange(start, start + length)) for buf, start, length in slices]
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)
-  starts = np.cumsum([0] + [b.shape[0] for b in bufs[:-1]])
-  flat = jnp.asarray(starts)[jnp.asarray(buffer)] + jnp.asarray(row)
-  return jnp.take(jnp.concatenate(bufs, axis=0), flat, axis=0)
+  buffer, row = _row(r.buffer, device), _row(r.row, device)
+  present = [b if b is not None else jnp.zeros((0,) + bufs[0].shape[1:], bufs[0].dtype) for b in bufs]
+  starts = np.cumsum([0] + [b.shape[0] for b in present[:-1]])
+  flat = (starts[buffer] if isinstance(buffer, np.ndarray) else jnp.asarray(starts)[buffer]) + row
+  return jnp.take(jnp.concatenate(present, axis=0), jnp.asarray(flat), axis=0)
 
 
 def _partial_sum(v: np.ndarray | jax.Array, x: jax.Array) -> jax.Array:
@@ -196,48 +345,172 @@ def _partial_sum(v: np.ndarray | jax.Array, x: jax.Array) -> jax.Array:
   return jnp.tensordot(jnp.asarray(v, x.dtype), x, axes=1)
 
 
-def apply_block_plan(plan: BlockPlan, x: jax.Array, device: Any, exchange: ExchangeFn,
-                     reduce: ReduceFn | None = None) -> jax.Array:
-  """``(W x)`` for this device's block ``x`` (B, ...).
+def _width(x: Any) -> int:
+  """Entries of one node's slice of a node-stacked leaf."""
+  return int(np.prod(x.shape[1:])) if len(x.shape) > 1 else 1
+
+
+def buckets(leaves: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
+  """Groups leaves into buckets: the leaves of one dtype in order, up to ``bucket_bytes`` per node.
+
+  A leaf larger than the cap is a bucket of its own (leaves are never split).
+
+  >>> import numpy as np
+  >>> leaves = [np.zeros((2, 10), np.float32), np.zeros((2, 3), np.int32), np.zeros((2, 20), np.float32)]
+  >>> buckets(leaves, 1 << 20), buckets(leaves, 100)
+  ([[0, 2], [1]], [[0], [1], [2]])
+  """
+  out: list[list[int]] = []
+  open_bucket: dict[Any, tuple[int, int]] = {}  # dtype -> (its open bucket, bytes per node in it)
+  for i, x in enumerate(leaves):
+    dtype = np.dtype(x.dtype)
+    size = _width(x) * dtype.itemsize
+    if dtype in open_bucket and open_bucket[dtype][1] + size <= bucket_bytes:
+      b, used = open_bucket[dtype]
+      out[b].append(i)
+      open_bucket[dtype] = (b, used + size)
+    else:
+      open_bucket[dtype] = (len(out), size)
+      out.append([i])
+  return out
+
+
+def _pack(parts: Sequence[jax.Array]) -> jax.Array:
+  """Rows of several leaves side by side: (m, sum of widths)."""
+  flat = [p.reshape((p.shape[0], -1)) for p in parts]
+  return flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
+
+
+def _unpack(y: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
+  """Splits packed rows back into leaves shaped like ``like`` beyond the row axis."""
+  out, start = [], 0
+  for x in like:
+    w = _width(x)
+    part = y if len(like) == 1 else jax.lax.slice_in_dim(y, start, start + w, axis=1)
+    out.append(part.reshape((y.shape[0],) + tuple(x.shape[1:])))
+    start += w
+  return out
+
+
+def apply_block_plan(plan: BlockPlan, packed: Sequence[jax.Array], device: Any, exchange: ExchangeFn,
+                     reduce: ReduceFn | None = None) -> list[jax.Array]:
+  """``(W x)`` for this device's block of every bucket (B, width): one exchange per bucket and device offset.
 
   Args:
     plan: the compiled plan.
-    x: this device's nodes on axis 0.
+    packed: this device's nodes on axis 0 of every bucket (see `buckets`).
     device: this device's index, a Python int (MPI: the rank) or a traced scalar
       (``lax.axis_index`` under ``shard_map`` / ``pmap``).
-    exchange: does the communication of one exchange (ppermute or sendrecv).
-    reduce: sums a (k, ...) array over the devices (psum or an MPI allreduce); needed
-      when the plan has rank-one terms, one call for all of them.
+    exchange: does the communication of one exchange (ppermute or sendrecv) of one
+      bucket: ``exchange(ex, rows to send or None, the bucket)``.
+    reduce: sums a (terms, width) array over the devices (psum or an MPI allreduce);
+      needed when the plan has rank-one terms, one call per bucket for all of them.
   """
-  bufs: list[jax.Array | None] = [x]
-  for ex in plan.exchanges:
-    if isinstance(device, (int, np.integer)):
-      c = int(ex.count[device])
-      send = _take(x, ex.send_rows[device, :c]) if c else None
-    else:
-      send = _take(x, _row(ex.send_rows, device))
-    bufs.append(exchange(ex, send, x))
-  # Rows travel in the leaf's dtype; 16-bit floats are summed in float32 and rounded once.
-  acc = x.astype(accumulation_dtype(x.dtype))
-  out = _weight(_row(plan.self_weight, device), acc) * acc
-  for r in plan.rounds:
-    received = _assemble(bufs, _row(r.buffer, device), _row(r.row, device))
-    out = out + _weight(_row(r.weight, device), acc) * received.astype(acc.dtype)
-  if plan.rank_one:
-    if reduce is None:
-      raise ValueError("this backend cannot apply rank-one terms (it has no all-reduce)")
-    totals = reduce(jnp.stack([_partial_sum(_row(t.v, device), acc) for t in plan.rank_one]))
-    for k, t in enumerate(plan.rank_one):
-      out = out + _weight(_row(t.u, device), acc) * totals[k][None]
-  return out if acc.dtype == x.dtype else out.astype(x.dtype)
+  static = isinstance(device, (int, np.integer))
+  out = []
+  for x in packed:
+    bufs: list[jax.Array | None] = [x]
+    for ex in plan.exchanges:
+      c = int(ex.count[int(device)]) if static else ex.send_rows.shape[1]
+      rows = ex.send_rows[int(device), :c] if static else _row(ex.send_rows, device)
+      bufs.append(exchange(ex, _take(x, rows) if c else None, x))
+    # Rows travel in the leaf's dtype; 16-bit floats are summed in float32 and rounded once.
+    acc = x.astype(accumulation_dtype(x.dtype))
+    y = _weight(_row(plan.self_weight, device), acc) * acc
+    for r in plan.rounds:
+      y = y + _weight(_row(r.weight, device), acc) * _assemble(bufs, r, device).astype(acc.dtype)
+    if plan.rank_one:
+      if reduce is None:
+        raise ValueError("this backend cannot apply rank-one terms (it has no all-reduce)")
+      totals = reduce(jnp.stack([_partial_sum(_row(t.v, device), acc) for t in plan.rank_one]))
+      for k, t in enumerate(plan.rank_one):
+        y = y + _weight(_row(t.u, device), acc) * totals[k][None]
+    out.append(y if y.dtype == x.dtype else y.astype(x.dtype))
+  return out
+
+
+def apply_step_table(table: StepTable, packed: Sequence[jax.Array], step: jax.Array, device: Any,
+                     exchange: ExchangeFn) -> list[jax.Array]:
+  """``W(step) x`` of every bucket for a traced step: the step's pattern's exchanges, then the tables' rows and weights."""
+  k = jnp.asarray(step) % len(table.pattern_of)
+  static = isinstance(device, (int, np.integer))
+  m, num_ex = table.max_rows, table.send_rows.shape[1]
+
+  def pick(t: np.ndarray) -> jax.Array:
+    """This device's entries of a (period, ..., K, last) table at the traced step."""
+    if static:
+      return jnp.asarray(np.take(t, int(device), axis=-2))[k]
+    return jnp.asarray(t)[k][..., device, :]
+
+  # Every slot's rows are gathered outside the branches, which then hold only the exchanges:
+  # a branch per pattern costs little to compile.
+  send_rows = pick(table.send_rows)
+  sends = [[jnp.take(x, send_rows[e], axis=0) for x in packed] for e in range(num_ex)]
+
+  def pad(got: jax.Array | None, like: jax.Array) -> jax.Array:
+    """Received rows padded to m (zeros shaped, and under shard_map varying, like the sends)."""
+    if got is None:
+      return jnp.zeros_like(like)
+    return jnp.pad(got, [(0, m - got.shape[0]), (0, 0)])
+
+  def branch(plan: BlockPlan) -> Callable[[list], list]:
+    def run(sends):
+      received = []
+      for e, ex in enumerate(plan.exchanges):
+        c = int(ex.count[int(device)]) if static else ex.send_rows.shape[1]
+        received.append([pad(exchange(ex, send[:c] if c else None, x), send) for send, x in zip(sends[e], packed)])
+      return received + [[jnp.zeros_like(send) for send in sends[e]] for e in range(len(received), num_ex)]
+    return run
+
+  branches = [branch(p) for p in table.patterns]
+  if len(branches) == 1:
+    received = branches[0](sends)
+  else:
+    received = jax.lax.switch(jnp.asarray(table.pattern_of)[k], branches, sends)
+  rows, weight, self_weight = pick(table.rows), pick(table.weight), pick(table.self_weight)
+  out = []
+  for b, x in enumerate(packed):
+    # Rows travel in the leaf's dtype; 16-bit floats are summed in float32 and rounded once.
+    acc = x.astype(accumulation_dtype(x.dtype))
+    bufs = jnp.concatenate([x] + [got[b] for got in received], axis=0).astype(acc.dtype)
+    y = _weight(self_weight, acc) * acc
+    for r in range(table.rows.shape[1]):
+      y = y + _weight(weight[r], acc) * jnp.take(bufs, rows[r], axis=0)
+    out.append(y if y.dtype == x.dtype else y.astype(x.dtype))
+  return out
 
 
 def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, exchange: ExchangeFn,
-               reduce: ReduceFn | None = None) -> Any:
-  """Applies W(step) to every leaf of a tree of local blocks; ``lax.switch`` over a traced step."""
-  apply = lambda p: (lambda t: jax.tree.map(lambda x: apply_block_plan(p, x, device, exchange, reduce), t))
+               reduce: ReduceFn | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+               table: StepTable | None = None) -> Any:
+  """Applies W(step) to a tree of local blocks, packed into buckets: one exchange per bucket.
+
+  A traced step over a period of plans uses ``table`` (see `step_table`); a period with
+  rank-one terms is a ``lax.switch`` over whole plans.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return tree
+  groups = buckets(leaves, bucket_bytes)
+  packed = [_pack([leaves[i] for i in idx]) for idx in groups]
+  apply = lambda p: (lambda bs: apply_block_plan(p, bs, device, exchange, reduce))
   if len(plans) == 1:
-    return apply(plans[0])(tree)
-  if isinstance(step, (int, np.integer)):
-    return apply(plans[int(step) % len(plans)])(tree)
-  return jax.lax.switch(jnp.asarray(step) % len(plans), [apply(p) for p in plans], tree)
+    mixed = apply(plans[0])(packed)
+  elif isinstance(step, (int, np.integer)):
+    mixed = apply(plans[int(step) % len(plans)])(packed)
+  elif table is not None:
+    mixed = apply_step_table(table, packed, step, device, exchange)
+  else:
+    mixed = jax.lax.switch(jnp.asarray(step) % len(plans), [apply(p) for p in plans], packed)
+  out: list[Any] = [None] * len(leaves)
+  for idx, y in zip(groups, mixed):
+    for i, part in zip(idx, _unpack(y, [leaves[i] for i in idx])):
+      out[i] = part
+  return jax.tree.unflatten(treedef, out)
+
+
+def step_table_or_none(plans: Sequence[BlockPlan]) -> StepTable | None:
+  """The `StepTable` of a period of plans, or ``None`` for one plan or plans with rank-one terms."""
+  if len(plans) == 1 or any(p.rank_one for p in plans):
+    return None
+  return step_table(plans)

@@ -2,8 +2,8 @@
 
 Launch with ``mpiexec -n K python script.py``. Rank r holds nodes ``r*B ... r*B + B - 1``
 with B = n / K. A rank's program is built for that rank, so it sends exactly the rows a
-neighbour reads and receives exactly the rows it reads, with one ``sendrecv`` per device
-offset of the plan (two for a ring).
+neighbour reads and receives exactly the rows it reads, with one ``sendrecv`` per exchange
+of the plan (two for a ring) and bucket of packed leaves.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from gossipjax.backend._map import InAxes, vmap_nodes
-from gossipjax.backend._blocks import BlockPlan, Exchange, check_divisible, compile_topology, mix_blocks
+from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, Exchange, StepTable, check_bucket_bytes,
+                                       check_divisible, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
 
 INSTALL_HINT = (
@@ -73,6 +74,8 @@ class MpiMixer:
   rank: int
   size: int
   plans: tuple[BlockPlan, ...]
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  table: StepTable | None = None
 
   @property
   def local_nodes(self) -> int:
@@ -85,20 +88,20 @@ class MpiMixer:
     mpi4jax, MPI = _import_mpi()
     rank, size, comm = self.rank, self.size, self.comm
 
-    def exchange(ex: Exchange, send: jax.Array | None, x: jax.Array) -> jax.Array | None:
-      src = (rank - ex.offset) % size
-      recv_rows = int(ex.count[src])
+    def exchange(ex: Exchange, send: jax.Array | None, x: Any) -> jax.Array | None:
+      src = int(ex.source[rank])
+      recv_rows = int(ex.count[src]) if src >= 0 else 0
       if send is None and not recv_rows:
         return None
-      recv_shape = (recv_rows,) + x.shape[1:]
+      recv_shape = (recv_rows,) + tuple(x.shape[1:])
       template = send if send is not None and send.shape == recv_shape else jnp.zeros(recv_shape, x.dtype)
       received = mpi4jax.sendrecv(
           send if send is not None else template,
           template,
           source=src if recv_rows else MPI.PROC_NULL,
-          dest=(rank + ex.offset) % size if send is not None else MPI.PROC_NULL,
-          sendtag=ex.offset,
-          recvtag=ex.offset,
+          dest=int(ex.dest[rank]) if send is not None else MPI.PROC_NULL,
+          sendtag=ex.index,
+          recvtag=ex.index,
           comm=comm,
       )
       return received if recv_rows else None
@@ -106,7 +109,7 @@ class MpiMixer:
     def reduce(partial: jax.Array) -> jax.Array:
       return mpi4jax.allreduce(partial, op=MPI.SUM, comm=comm)
 
-    return mix_blocks(self.plans, tree, step, rank, exchange, reduce)
+    return mix_blocks(self.plans, tree, step, rank, exchange, reduce, self.bucket_bytes, self.table)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,6 +118,8 @@ class Mpi:
 
   Attributes:
     comm: the ``mpi4py`` communicator (default: a clone of ``COMM_WORLD``, mpi4jax's own).
+    bucket_bytes: the most bytes of one node's leaves packed into one message (one
+      ``sendrecv`` per exchange and bucket).
 
   Example:
     Run alone, a program is rank 0 of 1 and holds every node:
@@ -126,8 +131,10 @@ class Mpi:
   """
 
   comm: Any = None
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
   def __post_init__(self):
+    check_bucket_bytes(self.bucket_bytes, "gj.backend.mpi")
     mpi4jax, _ = _import_mpi()
     if self.comm is None:
       from mpi4jax._src.utils import get_default_comm
@@ -154,7 +161,8 @@ class Mpi:
 
     check_same_topology(self.comm, topology)  # before any rank can raise alone, leaving the others waiting
     check_divisible(topology, self.size, "MPI ranks")
-    return MpiMixer(topology, self.comm, self.rank, self.size, compile_topology(topology, self.size))
+    plans = compile_topology(topology, self.size)
+    return MpiMixer(topology, self.comm, self.rank, self.size, plans, self.bucket_bytes, step_table_or_none(plans))
 
   def mean(self, tree: Any) -> Any:
     mpi4jax, MPI = _import_mpi()
@@ -182,7 +190,7 @@ class Mpi:
     return vmap_nodes(fn, in_axes, expected, where)
 
 
-def mpi(comm: Any = None, *, abort_on_error: bool = False) -> Mpi:
+def mpi(comm: Any = None, *, abort_on_error: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mpi:
   """Nodes split over MPI ranks; launch with ``mpiexec -n K python script.py``.
 
   Rank r passes its own block of B = n / K nodes (leading axis B, e.g.
@@ -204,6 +212,8 @@ def mpi(comm: Any = None, *, abort_on_error: bool = False) -> Mpi:
     comm: an ``mpi4py`` communicator; ``None`` uses a clone of ``COMM_WORLD``.
     abort_on_error: install `mpi_abort_on_error` on this communicator: an uncaught
       exception on one rank, or its exit while the others still run, aborts every rank.
+    bucket_bytes: the most bytes of one node's leaves packed into one message (the leaves
+      of each dtype are concatenated up to this size; default 25 MiB, PyTorch DDP's bucket size).
 
   Returns:
     The backend: its ``mixer(topology)``, ``map(fn)`` and ``mean(tree)`` work on this
@@ -224,7 +234,7 @@ def mpi(comm: Any = None, *, abort_on_error: bool = False) -> Mpi:
   Raises:
     ImportError: mpi4jax is not installed (the message says how to install it).
   """
-  backend = Mpi(comm)
+  backend = Mpi(comm, bucket_bytes)
   if abort_on_error:
     from gossipjax.backend._mpi_fault import abort_on_error as install
 

@@ -11,7 +11,8 @@ from jax import lax
 
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, vmap_nodes
-from gossipjax.backend._blocks import BlockPlan, check_divisible, compile_topology, mix_blocks
+from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
+                                       compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
 
 
@@ -23,6 +24,8 @@ class PmappedMixer:
   axis_name: str
   num_devices: int
   plans: tuple[BlockPlan, ...]
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  table: StepTable | None = None
 
   @property
   def local_nodes(self) -> int:
@@ -44,7 +47,8 @@ class PmappedMixer:
       del x
       return lax.ppermute(send, axis, perm=ex.pairs)
 
-    return mix_blocks(self.plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis))
+    return mix_blocks(self.plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis),
+                      self.bucket_bytes, self.table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,8 @@ class Pmapped:
   Attributes:
     axis_name: the pmap axis name.
     axis_size: the number of devices the pmap runs over (default: ``jax.device_count()``).
+    bucket_bytes: the most bytes of one node's leaves packed into one message (one
+      ``ppermute`` per exchange and bucket).
 
   Example:
     >>> import gossipjax as gj
@@ -67,6 +73,10 @@ class Pmapped:
 
   axis_name: str = "nodes"
   axis_size: int | None = None
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+  def __post_init__(self):
+    check_bucket_bytes(self.bucket_bytes, "gj.backend.pmapped")
 
   @property
   def num_devices(self) -> int:
@@ -76,7 +86,8 @@ class Pmapped:
     k = self.num_devices
     check_divisible(topology, k, f"devices of pmap axis {self.axis_name!r}")
     _cpu_threads.check_collective_threads(jax.local_devices()[:k], "gj.backend.pmapped")
-    return PmappedMixer(topology, self.axis_name, k, compile_topology(topology, k))
+    plans = compile_topology(topology, k)
+    return PmappedMixer(topology, self.axis_name, k, plans, self.bucket_bytes, step_table_or_none(plans))
 
   def mean(self, tree: Any) -> Any:
     def leaf(x):
@@ -105,7 +116,8 @@ class Pmapped:
     return vmap_nodes(fn, in_axes, expected, where)
 
 
-def pmapped(axis_name: str = "nodes", axis_size: int | None = None) -> Pmapped:
+def pmapped(axis_name: str = "nodes", axis_size: int | None = None, *,
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Pmapped:
   """For transforms called inside ``jax.pmap(..., axis_name=axis_name)``.
 
   Each device passes its own block of B = n / axis_size nodes (leading axis B); the
@@ -114,6 +126,8 @@ def pmapped(axis_name: str = "nodes", axis_size: int | None = None) -> Pmapped:
   Args:
     axis_name: the ``axis_name`` of the ``jax.pmap`` the transforms are called in.
     axis_size: the number of devices the pmap runs over (default: ``jax.device_count()``).
+    bucket_bytes: the most bytes of one node's leaves packed into one message (default
+      25 MiB, PyTorch DDP's bucket size).
 
   Returns:
     A `Pmapped` backend.
@@ -129,4 +143,4 @@ def pmapped(axis_name: str = "nodes", axis_size: int | None = None) -> Pmapped:
     >>> np.allclose(step(x).reshape(2 * k), gj.topology.ring(2 * k).matrix() @ np.arange(2 * k))
     True
   """
-  return Pmapped(axis_name, axis_size)
+  return Pmapped(axis_name, axis_size, bucket_bytes)

@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
-from gossipjax.backend._blocks import BlockPlan, check_divisible, compile_topology, mix_blocks
+from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
+                                       compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
 
 
@@ -32,6 +33,8 @@ class ShardedMixer:
   mesh: Mesh
   axis: str
   plans: tuple[BlockPlan, ...]
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  table: StepTable | None = None
 
   @property
   def local_nodes(self) -> int:
@@ -48,7 +51,8 @@ class ShardedMixer:
       return lax.ppermute(send, axis, perm=ex.pairs)
 
     def body(tree, step):
-      return mix_blocks(plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis))
+      return mix_blocks(plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis),
+                        self.bucket_bytes, self.table)
 
     specs = jax.tree.map(lambda _: P(axis), tree)
     if len(plans) == 1 or isinstance(step, (int, np.integer)):
@@ -65,6 +69,8 @@ class Sharded:
   Attributes:
     mesh: a ``jax.sharding.Mesh`` with an axis named ``axis`` (other axes see replicated params).
     axis: the mesh axis the nodes are split over.
+    bucket_bytes: the most bytes of one node's leaves packed into one message: a gossip
+      round sends one ``ppermute`` per exchange and bucket, not one per leaf.
 
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
@@ -76,8 +82,10 @@ class Sharded:
 
   mesh: Mesh
   axis: str = "nodes"
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
   def __post_init__(self):
+    check_bucket_bytes(self.bucket_bytes, "gj.backend.sharded")
     if not isinstance(self.mesh, Mesh):
       raise TypeError(f"gj.backend.sharded needs a jax.sharding.Mesh, got {type(self.mesh).__name__}")
     if self.axis not in self.mesh.axis_names:
@@ -115,7 +123,8 @@ class Sharded:
 
   def mixer(self, topology: Topology) -> ShardedMixer:
     check_divisible(topology, self.num_devices, f"devices of mesh axis {self.axis!r}")
-    return ShardedMixer(topology, self.mesh, self.axis, compile_topology(topology, self.num_devices))
+    plans = compile_topology(topology, self.num_devices)
+    return ShardedMixer(topology, self.mesh, self.axis, plans, self.bucket_bytes, step_table_or_none(plans))
 
   def mean(self, tree: Any) -> Any:
     axis = self.axis
@@ -176,7 +185,7 @@ class Sharded:
     return mapped
 
 
-def sharded(mesh: Mesh, axis: str = "nodes") -> Sharded:
+def sharded(mesh: Mesh, axis: str = "nodes", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Sharded:
   """Nodes split over the devices of ``mesh[axis]`` (B = n / K per device), mixing by ``ppermute``.
 
   Params and gradients are global ``jax.Array`` s whose leading node axis is sharded with
@@ -186,6 +195,9 @@ def sharded(mesh: Mesh, axis: str = "nodes") -> Sharded:
   Args:
     mesh: a ``jax.sharding.Mesh`` with an axis named ``axis``.
     axis: the mesh axis the nodes are split over.
+    bucket_bytes: the most bytes of one node's leaves packed into one message (the leaves
+      of each dtype are concatenated up to this size; a larger leaf is a message of its own).
+      The default, 25 MiB, is PyTorch DDP's bucket size.
 
   Returns:
     A `Sharded` backend.
@@ -203,4 +215,4 @@ def sharded(mesh: Mesh, axis: str = "nodes") -> Sharded:
     >>> np.allclose(x + u, gj.topology.ring(n).matrix() @ np.arange(n)[:, None])
     True
   """
-  return Sharded(mesh, axis)
+  return Sharded(mesh, axis, bucket_bytes)
