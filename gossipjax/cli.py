@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import sys
 from typing import Sequence
 
@@ -31,13 +32,13 @@ def _names(kind: str, allowed: Sequence[str]):
   return parse
 
 
-def _integer(low: int, what: str):
+def _integer(low: int, what: str, high: int | None = None):
   def parse(text: str) -> int:
     try:
       value = int(text)
     except ValueError:
       raise argparse.ArgumentTypeError(f"{text!r} is not an integer; it must be {what}") from None
-    if value < low:
+    if value < low or (high is not None and value > high):
       raise argparse.ArgumentTypeError(f"{value} is out of range; it must be {what}")
     return value
 
@@ -59,6 +60,9 @@ def _real(what: str, low: float, high: float = float("inf"), low_open: bool = Fa
 
 
 # What must match between a checkpointed job and a --resume of it: the runs, and what each run computes.
+# Where the runs go when no --out is given: a fresh folder per run, so a repeated command never meets its past.
+DEFAULT_ROOT = os.path.join("runs", "train")
+
 RESUME_OPTIONS = ("algorithms", "topologies", "nodes", "lr", "beta", "seed", "batch_size", "partition", "alpha",
                   "model", "log_every", "backend", "compressor", "compress_fraction", "consensus_step", "average_every")
 
@@ -101,19 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
                  help="Dirichlet label-skew concentration")
   t.add_argument("--log-every", type=_integer(1, "a positive integer"), default=25,
                  help="steps per jitted chunk and metrics row")
-  t.add_argument("--seed", type=_integer(0, "a non-negative integer"), default=0,
+  t.add_argument("--seed", type=_integer(0, "an integer in [0, 2**63)", high=2**63 - 1), default=0,
                  help="seeds the init, the partition and the batches")
   t.add_argument("--max-bad-steps", type=_integer(0, "a non-negative integer"), default=10,
                  help="stop when a node's gradient is NaN/inf this many steps in a row (it skips those steps); 0: never")
-  t.add_argument("--out", default="runs/train", help="directory for metrics.json and plot.png")
+  t.add_argument("--out", default=None,
+                 help="the job's folder: metrics.json, plot.png, job.json and checkpoints/ (default: a fresh folder "
+                      f"{DEFAULT_ROOT}/<date>_<time> for every run). One job at a time holds it; a new job is "
+                      "refused where another job's files are, unless --overwrite or --resume")
+  t.add_argument("--overwrite", action="store_true",
+                 help="a new job into an --out that holds another job's files: remove those files first")
   t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   t.add_argument("--checkpoint-every", type=_integer(0, "a non-negative integer"), default=0,
                  help="save each run's full state in OUT/checkpoints every this many steps (a multiple of "
                       "--log-every), for --resume; 0: never")
   t.add_argument("--resume", action="store_true",
-                 help="continue every run from its newest checkpoint in OUT/checkpoints (bit-for-bit the same "
-                      "as an uninterrupted run); runs without one start from step 0. Refused when the "
-                      f"checkpoints were written with other values of: {', '.join('--' + o.replace('_', '-') for o in RESUME_OPTIONS)}")
+                 help="continue the job in --out: every run from its newest intact checkpoint in OUT/checkpoints "
+                      "(bit-for-bit the same as an uninterrupted run, every metrics row once); runs without one "
+                      "start from step 0. Refused when the job was started with other values of: "
+                      f"{', '.join('--' + o.replace('_', '-') for o in RESUME_OPTIONS)}; --steps must reach the "
+                      "checkpoints' step; --max-bad-steps, --checkpoint-every and --devices take their new values")
   t.add_argument("--allow-changed-options", action="store_true",
                  help="with --resume: continue even where those options differ from the checkpointed job's")
   p.set_defaults(parser=t)
@@ -131,29 +142,64 @@ def _check_args(args: argparse.Namespace) -> None:
     fail(f"argument --devices: only the sharded backend takes it, not --backend {args.backend}")
   if args.allow_changed_options and not args.resume:
     fail("argument --allow-changed-options: only with --resume")
+  if args.resume and args.out is None:
+    fail("argument --resume: give --out, the folder of the job to continue")
+  if args.resume and args.overwrite:
+    fail("argument --overwrite: not with --resume, which continues the job in --out")
+  if args.out == "":
+    fail("argument --out: give a folder, not an empty string")
 
 
-def _check_resume(args: argparse.Namespace, is_main: bool) -> None:
-  """Refuses a --resume whose options differ from those the checkpoints were written with."""
-  import json
+def _resume_options(args: argparse.Namespace) -> dict:
+  return {k: getattr(args, k) for k in RESUME_OPTIONS}
 
-  path = os.path.join(args.out, "checkpoints", "job.json")
-  now = {k: getattr(args, k) for k in RESUME_OPTIONS}
-  if args.resume and os.path.exists(path):
-    with open(path) as f:
-      then = json.load(f)
-    differ = [k for k in RESUME_OPTIONS if k in then and then[k] != now[k]]
+
+def _claim_out(args: argparse.Namespace, folder) -> None:
+  """Takes the output folder for this job; refuses another job's folder, or a --resume with other options."""
+  from gossipjax.train._job import UsageError
+
+  folder.claim()
+  if args.resume:
+    then, now = folder.read_options(), _resume_options(args)
+    differ = [k for k in RESUME_OPTIONS if then and k in then and then[k] != now[k]]
     if differ and not args.allow_changed_options:
       show = lambda v: ",".join(map(str, v)) if isinstance(v, list) else str(v)
       was = ", ".join(f"--{k.replace('_', '-')} {show(then[k])}" for k in differ)
       asked = ", ".join(f"--{k.replace('_', '-')} {show(now[k])}" for k in differ)
-      args.parser.error(f"argument --resume: the checkpoints in {args.out} were written with {was}, not {asked}; "
-                        "pass the same options, or add --allow-changed-options to continue anyway")
-  if is_main and args.checkpoint_every:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-      json.dump(now, f)
-    os.replace(path + ".tmp", path)
+      raise UsageError(f"argument --resume: the job in {args.out} was started with {was}, not {asked}; "
+                       "pass the same options, or add --allow-changed-options to continue anyway")
+  elif folder.outputs() and not args.overwrite:
+    raise UsageError(f"argument --out: {args.out} holds another job's {', '.join(folder.outputs())}; continue that "
+                     "job with --resume, choose another --out, or add --overwrite to remove them")
+
+
+def _start_job(args: argparse.Namespace, folder) -> None:
+  """Once every check has passed: clears the folder when asked to, and records the job's options."""
+  if args.overwrite:
+    folder.clear()
+  folder.write_options(_resume_options(args))
+
+
+def _on_main(placement, comm, fn):
+  """``fn()`` on the main process; its result, or its UsageError / JobError, on every process.
+
+  The other processes raise the same error quietly: the main process says it once.
+  """
+  from gossipjax.train._job import JobError, UsageError
+
+  result = error = None
+  if placement.is_main:
+    try:
+      result = fn()
+    except (UsageError, JobError) as e:
+      error = e
+  if comm is not None:
+    result, error = comm.bcast((result, error), root=0)
+    if error is not None and not placement.is_main:
+      error.quiet = True
+  if error is not None:
+    raise error
+  return result
 
 
 def _make_backend(args: argparse.Namespace):
@@ -174,52 +220,17 @@ def _make_backend(args: argparse.Namespace):
   return gj.backend.sharded(mesh)
 
 
-class _RunCheckpoints:
-  """One run's checkpoints: the training state via gj.checkpoint, its metrics rows beside it."""
-
-  def __init__(self, directory: str, every: int, placement):
-    self.directory, self.every, self.placement = directory, every, placement
-
-  def save(self, state, rows) -> None:
-    import json
-
-    from gossipjax import checkpoint
-
-    if not self.every or state.step % self.every:
-      return
-    checkpoint.save(self.directory, {"step": state.step, "params": state.params, "opt_state": state.opt_state},
-                    step=state.step, keep=2)
-    tmp = os.path.join(self.directory, "history.json.tmp")
-    with open(tmp, "w") as f:
-      json.dump(rows, f)
-    os.replace(tmp, os.path.join(self.directory, "history.json"))
-
-  def restore(self, fresh):
-    import json
-
-    from gossipjax import checkpoint
-    from gossipjax.train import TrainState
-
-    if not os.path.isdir(self.directory) or checkpoint.latest_step(self.directory) is None:
-      return None, []
-    like = {"params": fresh.params, "opt_state": fresh.opt_state}
-    tree = checkpoint.restore(self.directory, like={"step": 0, **like})
-    with open(os.path.join(self.directory, "history.json")) as f:
-      rows = [r for r in json.load(f) if r["step"] <= tree["step"]]
-    placed = self.placement.like({"params": tree["params"], "opt_state": tree["opt_state"]}, like)
-    return TrainState(int(tree["step"]), placed["params"], placed["opt_state"]), rows
-
-
 def train(args: argparse.Namespace) -> dict:
-  import jax
-  from tqdm.auto import tqdm
+  """Runs the job of ``gossipjax train``: every algorithm on every topology, into the folder ``args.out``.
 
-  from gossipjax.checkpoint import rank_directory
+  Raises:
+    UsageError: options the job cannot run with (the CLI exits with status 2).
+    JobError: a failure while it runs (status 1).
+  """
+  from gossipjax.backend import Mpi
   from gossipjax.data import load_digits
-  from gossipjax.train import (ALGORITHMS, CNN, MLP, RunConfig, init_state, make_algorithm, make_topology, plot,
-                               result_table, timed_run)
+  from gossipjax.train._job import OutputFolder, fresh_folder
   from gossipjax.train._placement import Placement
-  from gossipjax.train._registry import NEEDS_NO_TOPOLOGY, AlgorithmOptions
 
   _check_args(args)
   backend = _make_backend(args)
@@ -227,64 +238,103 @@ def train(args: argparse.Namespace) -> dict:
     placement = Placement(backend, args.nodes)
   except ValueError as e:
     args.parser.error(f"argument --nodes: {e}")
-  _check_resume(args, placement.is_main)
+  comm = backend.comm if isinstance(backend, Mpi) else None
   dataset = load_digits(seed=args.seed)
-  if args.model == "cnn":
-    model = CNN(num_classes=dataset.num_classes, image_shape=(8, 8, 1))
-  else:
-    model = MLP(hidden=(64,), num_classes=dataset.num_classes)
+  if args.nodes > len(dataset.y_train):
+    args.parser.error(f"argument --nodes: {args.nodes} nodes, but the digits' training set has "
+                      f"{len(dataset.y_train)} samples; every node needs one (use at most {len(dataset.y_train)})")
+  fresh = args.out is None
+  if fresh:
+    args.out = _on_main(placement, comm, lambda: fresh_folder(DEFAULT_ROOT))
+  folder = OutputFolder(args.out)
+  started = False
+  try:
+    _on_main(placement, comm, lambda: _claim_out(args, folder))
+    runs, txs, skipped = _build_runs(args, backend)
+    _on_main(placement, comm, lambda: _start_job(args, folder))
+    started = True
+    return _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped)
+  finally:
+    folder.release()
+    if fresh and not started and placement.is_main:  # a fresh folder of a job that never began
+      shutil.rmtree(args.out, ignore_errors=True)
+
+
+def _build_runs(args: argparse.Namespace, backend):
+  """Every run's config and transform, built before any training so that a bad name or size fails first.
+
+  A pair the algorithm cannot run on (DecentLaM on a directed graph) is skipped with its reason.
+  """
+  from gossipjax.train import ALGORITHMS, RunConfig, make_algorithm, make_topology
+  from gossipjax.train._registry import MOMENTUM, NEEDS_NO_TOPOLOGY, AlgorithmOptions
+
   runs = []
   for alg in args.algorithms:
     for topo in ([None] if alg in NEEDS_NO_TOPOLOGY else args.topologies):
-      cfg = RunConfig(algorithm=alg, topology=topo, num_nodes=args.nodes, steps=args.steps,
-                      batch_size=args.batch_size, learning_rate=args.lr, beta=args.beta,
-                      partition=args.partition, alpha=args.alpha, seed=args.seed, log_every=args.log_every,
-                      max_bad_steps=args.max_bad_steps, model=args.model, backend=args.backend)
-      runs.append(cfg)
-  # Build every transform first so that a bad name or size fails before any training; a pair the
-  # algorithm cannot run on (DecentLaM on a directed graph) is skipped with its reason.
+      runs.append(RunConfig(algorithm=alg, topology=topo, num_nodes=args.nodes, steps=args.steps,
+                            batch_size=args.batch_size, learning_rate=args.lr, beta=MOMENTUM.get(alg, args.beta),
+                            partition=args.partition, alpha=args.alpha, seed=args.seed, log_every=args.log_every,
+                            max_bad_steps=args.max_bad_steps, model=args.model, backend=args.backend))
   txs, skipped = [], {}
+  options = AlgorithmOptions(args.compressor, args.compress_fraction, args.consensus_step, args.average_every)
   for c in list(runs):
     try:
       topo = make_topology(c.topology, c.num_nodes) if c.topology else None
     except ValueError as e:
       args.parser.error(f"argument --topologies: {c.topology} on --nodes {c.num_nodes}: {e}")
     try:
-      options = AlgorithmOptions(args.compressor, args.compress_fraction, args.consensus_step, args.average_every)
       txs.append(make_algorithm(c.algorithm, topo, c.learning_rate, c.beta, backend, options))
     except ValueError as e:
       if topo is None or c.algorithm not in ALGORITHMS:
         raise
       skipped[c.name] = str(e)
       runs.remove(c)
+  return runs, txs, skipped
 
-  if placement.is_main:
-    os.makedirs(args.out, exist_ok=True)
+
+def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> dict:
+  import jax
+  from tqdm.auto import tqdm
+
+  from gossipjax.checkpoint import rank_directory
+  from gossipjax.train import CNN, MLP, init_state, plot, result_table, timed_run, write_metrics
+  from gossipjax.train._job import JobError, RunCheckpoints, UsageError
+
+  if args.model == "cnn":
+    model = CNN(num_classes=dataset.num_classes, image_shape=(8, 8, 1))
+  else:
+    model = MLP(hidden=(64,), num_classes=dataset.num_classes)
   results = {}
   quiet = args.no_progress or not placement.is_main
   with tqdm(total=sum(c.steps for c in runs), unit="step", disable=quiet, file=sys.stderr) as bar:
     for cfg, tx in zip(runs, txs):
       bar.set_description(cfg.name)
       directory = os.path.join(args.out, "checkpoints", cfg.name.replace("/", "__"))
-      if args.backend == "mpi":  # each rank checkpoints its own block of nodes
+      if comm is not None:  # each rank checkpoints its own block of nodes
         directory = str(rank_directory(directory, backend.rank))
-      ckpt = _RunCheckpoints(directory, args.checkpoint_every, placement)
+      ckpt = RunCheckpoints(directory, args.checkpoint_every, placement, cfg.name, comm, placement.is_main)
       fresh = init_state(cfg, dataset, model, tx, backend)
       state, previous = ckpt.restore(fresh) if args.resume else (None, [])
       if state is not None:
+        if state.step > cfg.steps:
+          error = UsageError(f"argument --steps: {cfg.steps} is below step {state.step}, where {cfg.name} was "
+                             f"checkpointed in {args.out}; give --steps {state.step} or more")
+          error.quiet = not placement.is_main
+          raise error
+        # The limit lives in the optimizer state; the option given now is the one that applies.
+        state.opt_state = state.opt_state._replace(max_consecutive=fresh.opt_state.max_consecutive)
         bar.update(state.step)
       try:
         _, history, seconds = timed_run(cfg, dataset, model, tx, progress=bar.update, state=state or fresh,
                                         on_chunk=lambda st, rows: ckpt.save(st, previous + rows), backend=backend)
       except FloatingPointError as e:
-        raise SystemExit(f"{cfg.name}: {e}; try a smaller --lr") from e
-      history = previous + history
-      results[cfg.name] = {"config": dataclasses.asdict(cfg), "history": history, "seconds": seconds}
+        error = JobError(f"{cfg.name}: {e}; try a smaller --lr")
+        error.quiet = comm is not None and not placement.is_main  # every rank raises it together
+        raise error from e
+      results[cfg.name] = {"config": dataclasses.asdict(cfg), "history": previous + history, "seconds": seconds}
 
   if not placement.is_main:
     return results
-  from gossipjax.train import write_metrics
-
   metrics_path, plot_path = os.path.join(args.out, "metrics.json"), os.path.join(args.out, "plot.png")
   config = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
   config["devices"] = placement.num_devices
@@ -318,10 +368,26 @@ def _request_cpu_devices(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+  """``gossipjax``: a failure is one line on stderr and an exit status, 2 for bad usage, 1 while running."""
+  from gossipjax.checkpoint import CorruptCheckpointError
+  from gossipjax.train._job import JobError, UsageError
+
   args = build_parser().parse_args(argv)
   if args.command == "train":
     _request_cpu_devices(args)
-    train(args)
+    try:
+      train(args)
+    except UsageError as e:
+      _fail(e, 2)
+    except (JobError, CorruptCheckpointError, OSError) as e:
+      _fail(e, 1)
+
+
+def _fail(error: Exception, status: int) -> None:
+  if not getattr(error, "quiet", False):
+    sys.stderr.write(f"gossipjax train: error: {error}\n")
+    sys.stderr.flush()
+  sys.exit(status)  # through sys.exit, which an MPI job's exit hook watches (gj.backend.mpi_abort_on_error)
 
 
 if __name__ == "__main__":

@@ -280,6 +280,9 @@ def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None
   the steps saved before intact. Saving a step that exists replaces it; a kill mid-save
   leaves the old or the new version. Several processes may save into one directory at once.
 
+  A write that fails (a full disk, a lost mount) removes its own temporary files and
+  raises ``OSError``; the steps saved before stay as they were.
+
   Args:
     directory: the checkpoint directory (created if missing). Under MPI, give each rank its
       own, ``gj.checkpoint.rank_directory(path, comm.rank)``: a save into a directory that
@@ -291,6 +294,11 @@ def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None
 
   Returns:
     The directory of the saved step.
+
+  Raises:
+    ValueError: ``step`` would not be among the newest ``keep`` steps (it would be
+      deleted at once), or, under MPI, another rank saves into ``directory``.
+    OSError: the step could not be written.
 
   Example:
     >>> import jax.numpy as jnp, gossipjax as gj, tempfile
@@ -321,21 +329,23 @@ def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None
   mpi = _mpi_rank()
   with _saving(directory):
     _claim(directory, mpi)
+    if keep is not None:
+      newest = sorted(set(all_steps(directory)) | {step})[-keep:]
+      if step not in newest:
+        raise ValueError(f"gj.checkpoint.save: step {step} is older than the newest {keep} step(s) in {directory} "
+                         f"({', '.join(map(str, newest))}); with keep={keep} it would be deleted at once. Save into "
+                         "a directory of its own, or restore from there and continue with newer steps")
     tmp = directory / f"{_TMP_PREFIX}{step}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    if arrays:
-      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-        ckptr.save(tmp / _STATE, args=ocp.args.StandardSave(arrays))
-    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(_files(tmp))}
-    body = {"format": _FORMAT, "step": step, "treedef": str(treedef), "leaves": specs, "files": files}
-    if mpi is not None:
-      body["mpi_rank"] = mpi[0]
-    manifest = tmp / _MANIFEST
-    with open(manifest, "w") as f:
-      json.dump({"body": body, "sha256": _body_digest(body)}, f, sort_keys=True)
-      f.flush()
-      os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    try:
+      tmp.mkdir()
+      _write_step(tmp, arrays, step, treedef, specs, mpi, ocp)
+    except Exception as e:  # a kill (KeyboardInterrupt, SIGKILL) leaves the debris to the next save instead
+      _delete(tmp)
+      if isinstance(e, OSError):
+        raise
+      # tensorstore reports a full disk as a ValueError (OUT_OF_RANGE): name it a write failure.
+      raise OSError(f"gj.checkpoint.save: writing step {step} to {directory} failed ({type(e).__name__}: {e}); "
+                    "the steps saved before are intact") from e
 
     final = directory / str(step)
     aside = _put_in_place(tmp, final)
@@ -347,6 +357,23 @@ def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None
         for version in (directory / str(s), *directory.glob(f"{_OLD_PREFIX}{s}-*")):
           _remove(version)
   return final
+
+
+def _write_step(tmp: pathlib.Path, arrays: dict[str, Any], step: int, treedef: Any, specs: list[dict[str, Any]],
+                mpi: tuple[int, int] | None, ocp: Any) -> None:
+  """Writes the arrays, then the manifest that seals them, into the temporary directory ``tmp``."""
+  if arrays:
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+      ckptr.save(tmp / _STATE, args=ocp.args.StandardSave(arrays))
+  files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(_files(tmp))}
+  body = {"format": _FORMAT, "step": step, "treedef": str(treedef), "leaves": specs, "files": files}
+  if mpi is not None:
+    body["mpi_rank"] = mpi[0]
+  with open(tmp / _MANIFEST, "w") as f:
+    json.dump({"body": body, "sha256": _body_digest(body)}, f, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+  _fsync_dir(tmp)
 
 
 def _old_step(name: str) -> int | None:
@@ -396,7 +423,7 @@ def all_steps(directory: str | os.PathLike) -> list[int]:
   return sorted(_sealed_steps(pathlib.Path(directory)))
 
 
-def latest_step(directory: str | os.PathLike, comm: Any = None) -> int | None:
+def latest_step(directory: str | os.PathLike, comm: Any = None, *, before: int | None = None) -> int | None:
   """The newest saved step in ``directory``, or ``None`` when there is none.
 
   Args:
@@ -404,6 +431,8 @@ def latest_step(directory: str | os.PathLike, comm: Any = None) -> int | None:
     comm: an mpi4py communicator. Each rank passes its own directory and gets the newest
       step that *every* rank has saved (a crash can leave one rank a step ahead), the same
       on all ranks.
+    before: only steps below this one count: the next candidate when the newest step
+      turned out to be corrupt (`restore` raised `CorruptCheckpointError`).
 
   Returns:
     The step as an int, or ``None`` when ``directory`` holds no saved step (with ``comm``:
@@ -418,8 +447,12 @@ def latest_step(directory: str | os.PathLike, comm: Any = None) -> int | None:
     ...   _ = gj.checkpoint.save(d, {"w": jnp.zeros(2)}, step=step)
     >>> gj.checkpoint.latest_step(d)
     20
+    >>> gj.checkpoint.latest_step(d, before=20)
+    10
   """
   steps = all_steps(directory)
+  if before is not None:
+    steps = [s for s in steps if s < before]
   if comm is None:
     return steps[-1] if steps else None
   common = set.intersection(*(set(s) for s in comm.allgather(steps)))

@@ -40,6 +40,8 @@ def result_table(results: dict[str, dict[str, Any]]) -> str:
 def write_metrics(path: str, config: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
   """Writes ``{"config": config, "runs": results}`` as JSON, atomically (a temporary file renamed).
 
+  A reader sees the previous file or the new one, whole, even when the writer is killed.
+
   Args:
     path: the JSON file (its directory is created if missing).
     config: the job's configuration, plain values.
@@ -58,10 +60,17 @@ def write_metrics(path: str, config: dict[str, Any], results: dict[str, dict[str
     {'dpsgd/ring': {'seconds': 1.5}}
   """
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump({"config": config, "runs": results}, f, indent=1)
-  os.replace(tmp, path)
+  tmp = f"{path}.tmp-{os.getpid()}"  # a writer of its own: two writers never share a half-written file
+  try:
+    with open(tmp, "w") as f:
+      json.dump({"config": config, "runs": results}, f, indent=1)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 # Consensus distances below this are exact consensus up to round-off (AllReduce keeps the nodes

@@ -88,6 +88,34 @@ def test_crash_mid_save_leaves_previous_checkpoint_usable(tmp_path, monkeypatch)
   assert ckpt.all_steps(tmp_path) == [1, 3]
 
 
+def test_save_of_a_step_that_keep_would_delete_is_refused(tmp_path):
+  for s in (10, 20):
+    ckpt.save(tmp_path, {"s": jnp.asarray(s)}, step=s, keep=2)
+  with pytest.raises(ValueError, match=r"step 5 is older than the newest 2 step\(s\).*\(10, 20\)"):
+    ckpt.save(tmp_path, {"s": jnp.asarray(5)}, step=5, keep=2)
+  assert ckpt.all_steps(tmp_path) == [10, 20]
+  assert ckpt.save(tmp_path, {"s": jnp.asarray(15)}, step=15, keep=3).name == "15"  # kept: it is returned
+  assert ckpt.all_steps(tmp_path) == [10, 15, 20]
+
+
+def test_failed_write_cleans_up_and_leaves_the_previous_step(tmp_path, monkeypatch):
+  import orbax.checkpoint as ocp
+
+  ckpt.save(tmp_path, {"w": jnp.ones(3)}, step=1)
+
+  def disk_full(self, directory, *args, **kwargs):  # tensorstore's report of a full disk
+    pathlib.Path(directory).mkdir(parents=True)
+    (pathlib.Path(directory) / "part").write_bytes(b"x" * 100)
+    raise ValueError("OUT_OF_RANGE: Error writing file: No space left on device")
+
+  monkeypatch.setattr(ocp.Checkpointer, "save", disk_full)
+  with pytest.raises(OSError, match=r"writing step 2 to .* failed \(ValueError: OUT_OF_RANGE.*intact"):
+    ckpt.save(tmp_path, {"w": jnp.full(3, 2.0)}, step=2)
+  monkeypatch.undo()
+  assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "1"]  # no temporary files left
+  np.testing.assert_array_equal(ckpt.restore(tmp_path, like={"w": jnp.zeros(3)})["w"], np.ones(3))
+
+
 def _written_files(step_dir):
   return sorted(p for p in pathlib.Path(step_dir).rglob("*") if p.is_file())
 
@@ -248,6 +276,8 @@ def test_latest_step_with_comm_is_the_newest_step_every_rank_has(tmp_path):
     ckpt.save(tmp_path, {"s": jnp.asarray(s)}, step=s)
   assert ckpt.latest_step(tmp_path) == 8
   assert ckpt.latest_step(tmp_path, comm=FakeComm()) == 6
+  assert ckpt.latest_step(tmp_path, comm=FakeComm(), before=6) == 4
+  assert ckpt.latest_step(tmp_path, before=2) is None
 
 
 _DETERMINISM = """

@@ -46,6 +46,10 @@ BAD_OPTIONS = [
     (["--devices", "2"], "argument --devices: only the sharded backend takes it"),
     (["--backend", "sharded", "--devices", "3", "--nodes", "8"], "argument --nodes: 8 nodes do not split evenly over 3"),
     (["--allow-changed-options"], "argument --allow-changed-options: only with --resume"),
+    (["--seed", "18446744073709551616"], "argument --seed: 18446744073709551616 is out of range; it must be an integer"),
+    (["--nodes", "2000"], "argument --nodes: 2000 nodes, but the digits' training set has 1347 samples"),
+    (["--out", ""], "argument --out: give a folder, not an empty string"),
+    (["--resume", "--overwrite"], "argument --overwrite: not with --resume"),
 ]
 
 
@@ -91,42 +95,23 @@ def test_learning_rate_parses_only_finite_positive_numbers(value):
 
 
 @pytest.mark.slow
-def test_resume_refuses_changed_options_unless_allowed(tmp_path, capsys):
-  common = ["train", "--nodes", "4", "--steps", "25", "--log-every", "25", "--checkpoint-every", "25", "--no-progress",
-            "--algorithms", "dmsgd", "--topologies", "ring", "--out", str(tmp_path)]
-  cli.main(common)
-  capsys.readouterr()
-  for changed, shown in ((["--lr", "0.05"], "--lr 0.1, not --lr 0.05"), (["--seed", "3"], "--seed 0, not --seed 3"),
-                         (["--nodes", "8"], "--nodes 4, not --nodes 8"),
-                         (["--topologies", "exponential"], "--topologies ring, not --topologies exponential"),
-                         (["--algorithms", "decentlam"], "--algorithms dmsgd, not --algorithms decentlam")):
-    with pytest.raises(SystemExit) as exit_:
-      cli.main(common + ["--steps", "50", "--resume"] + changed)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "argument --resume: the checkpoints in" in err and shown in err and "--allow-changed-options" in err, err
-  cli.main(common + ["--steps", "50", "--resume", "--lr", "0.05", "--allow-changed-options"])
-  rows = json.loads((tmp_path / "metrics.json").read_text())["runs"]["dmsgd/ring"]["history"]
-  assert [r["step"] for r in rows] == [25, 50]
-
-
-@pytest.mark.slow
 def test_resume_continues_bit_for_bit(tmp_path):
+  # Momentum on a time-varying W, whose index resumes with the step; tests/train/test_cli_kill.py kills a job for real.
   common = ["train", "--nodes", "8", "--log-every", "25", "--checkpoint-every", "25", "--no-progress",
-            "--algorithms", "dmsgd,decentlam", "--topologies", "one_peer_exponential,ring"]
-  cli.main(common + ["--steps", "100", "--out", str(tmp_path / "straight")])
-  cli.main(common + ["--steps", "50", "--out", str(tmp_path / "split")])  # "dies" at step 50
+            "--algorithms", "dmsgd", "--topologies", "one_peer_exponential"]
+  cli.main(common + ["--steps", "50", "--out", str(tmp_path / "straight")])
+  cli.main(common + ["--steps", "25", "--out", str(tmp_path / "split")])  # "dies" at step 25
   # Mark the saved rows: a resumed run keeps them, a run that silently restarted would not.
   for hist in (tmp_path / "split" / "checkpoints").glob("*/history.json"):
     rows = json.loads(hist.read_text())
     rows[0]["marker"] = 1.0
     hist.write_text(json.dumps(rows))
-  cli.main(common + ["--steps", "100", "--resume", "--out", str(tmp_path / "split")])
+  cli.main(common + ["--steps", "50", "--resume", "--out", str(tmp_path / "split")])
   straight = json.loads((tmp_path / "straight" / "metrics.json").read_text())["runs"]
   resumed = json.loads((tmp_path / "split" / "metrics.json").read_text())["runs"]
-  assert set(straight) == set(resumed) == {"dmsgd/one_peer_exponential", "dmsgd/ring", "decentlam/ring"}
+  assert set(straight) == set(resumed) == {"dmsgd/one_peer_exponential"}
   for name in straight:
-    assert [h["step"] for h in resumed[name]["history"]] == [25, 50, 75, 100]
+    assert [h["step"] for h in resumed[name]["history"]] == [25, 50]
     assert resumed[name]["history"][0].pop("marker") == 1.0
     for a, b in zip(straight[name]["history"], resumed[name]["history"]):
       assert a == b  # every metric equal as floats, not just close

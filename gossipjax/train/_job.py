@@ -1,0 +1,247 @@
+"""The main job's output folder and checkpoints: one job per folder, and rows that match their checkpoint.
+
+An output folder belongs to one job. The job holds ``job.lock`` (``flock``, released by the
+kernel when the process ends, kill -9 included) for its whole life, and the lock file names
+the holder, so a second job is refused with one line that says who holds it.
+
+Each run checkpoints into ``checkpoints/<run>/`` (under MPI, one ``rank_<k>/`` per rank):
+the training state through `gj.checkpoint` and the metrics rows in ``history.json``. The
+rows are written first, then the state, so the rows on disk always reach the newest saved
+step; a resume from step K keeps the rows up to K, each once. The newest step that restores
+intact (on every rank) is the one resumed: a corrupt newest step costs one warning line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import socket
+import sys
+from typing import Any
+
+try:
+  import fcntl
+except ImportError:  # Windows: no lock, the folder checks still apply
+  fcntl = None
+
+#: What a job writes into its output folder; ``--overwrite`` removes these and nothing else.
+JOB_FILES = ("job.json", "metrics.json", "plot.png", "checkpoints")
+LOCK = "job.lock"
+HISTORY = "history.json"
+
+
+class UsageError(Exception):
+  """A choice of options the job cannot run with (exit status 2); the message names the option."""
+
+
+class JobError(Exception):
+  """A failure while the job runs (exit status 1), such as a full disk or an unusable checkpoint."""
+
+
+def fresh_folder(root: str) -> str:
+  """A new folder ``root/<date>_<time>`` (``-2``, ``-3``, ... when that one exists), created here."""
+  stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+  os.makedirs(root, exist_ok=True)
+  for k in range(1, 1000):
+    path = os.path.join(root, stamp if k == 1 else f"{stamp}-{k}")
+    try:
+      os.mkdir(path)
+      return path
+    except FileExistsError:
+      continue
+  raise JobError(f"could not make a fresh folder under {root}: pass --out")
+
+
+class OutputFolder:
+  """A job's output folder, held through ``job.lock`` from `claim` to `release`."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._fd: int | None = None
+
+  def claim(self) -> None:
+    """Creates the folder if needed and takes its lock; `UsageError` names the job that holds it."""
+    if not self.path:
+      raise UsageError("argument --out: give a folder, not an empty string")
+    if os.path.exists(self.path) and not os.path.isdir(self.path):
+      raise UsageError(f"argument --out: {self.path} is a file, not a folder")
+    try:
+      os.makedirs(self.path, exist_ok=True)
+      fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise UsageError(f"argument --out: cannot use {self.path} as the output folder: {e.strerror or e}") from None
+    if fcntl is not None:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = os.read(fd, 4096).decode(errors="replace").strip() or "another job"
+        os.close(fd)
+        raise UsageError(f"argument --out: {self.path} is in use by {holder}; wait for it to end or choose "
+                         "another --out") from None
+      except OSError:
+        pass  # a file system without flock: run unlocked rather than not at all
+    started = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"the job of pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode(), 0)
+    self._fd = fd
+
+  def release(self) -> None:
+    """Gives the lock back (the lock file stays: removing it would let two jobs lock two files)."""
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
+
+  def outputs(self) -> list[str]:
+    """The job files the folder holds (another job's, for a fresh run)."""
+    return [name for name in JOB_FILES if os.path.lexists(os.path.join(self.path, name))]
+
+  def clear(self) -> None:
+    """Removes the job files (`JOB_FILES`); anything else in the folder stays."""
+    for name in self.outputs():
+      path = os.path.join(self.path, name)
+      if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+      else:
+        os.remove(path)
+
+  def read_options(self) -> dict[str, Any] | None:
+    """The options recorded by the job that wrote the folder, or ``None``."""
+    path = os.path.join(self.path, "job.json")
+    if not os.path.exists(path):
+      return None
+    try:
+      with open(path) as f:
+        return json.load(f)
+    except ValueError as e:
+      raise JobError(f"{path} is unreadable ({e}): the folder's job cannot be checked; start again with "
+                     "--overwrite") from None
+
+  def write_options(self, options: dict[str, Any]) -> None:
+    write_json(os.path.join(self.path, "job.json"), options)
+
+
+def write_json(path: str, value: Any) -> None:
+  """Writes ``value`` as JSON through a temporary file renamed over ``path``: readers see the old or the new file."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  try:
+    with open(tmp, "w") as f:
+      json.dump(value, f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+
+
+def warn(message: str) -> None:
+  sys.stderr.write(f"gossipjax train: warning: {message}\n")
+  sys.stderr.flush()
+
+
+class RunCheckpoints:
+  """One run's checkpoints: the training state through gj.checkpoint, its metrics rows beside it.
+
+  Args:
+    directory: this process's checkpoint directory of the run.
+    every: steps between checkpoints (0: none).
+    placement: where the nodes live (`Placement`).
+    name: the run's name, for messages.
+    comm: the MPI communicator of the job, or ``None``.
+    is_main: whether this process prints the job's warnings.
+  """
+
+  def __init__(self, directory: str, every: int, placement: Any, name: str, comm: Any = None, is_main: bool = True):
+    self.directory, self.every, self.placement = directory, every, placement
+    self.name, self.comm, self.is_main = name, comm, is_main
+
+  def save(self, state: Any, rows: list[dict[str, Any]]) -> None:
+    """Saves the rows, then the state at ``state.step`` when it is a checkpoint step."""
+    from gossipjax import checkpoint
+
+    if not self.every or state.step % self.every:
+      return
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      write_json(os.path.join(self.directory, HISTORY), rows)  # first: the rows always reach the newest step
+      checkpoint.save(self.directory, {"step": state.step, "params": state.params, "opt_state": state.opt_state},
+                      step=state.step, keep=2)
+    except OSError as e:
+      raise JobError(f"{self.name}: could not save the checkpoint of step {state.step} in {self.directory}: "
+                     f"{e.strerror or e}; the previous checkpoint is intact") from e
+
+  def _rows(self, step: int) -> list[dict[str, Any]]:
+    """The rows up to ``step``, each once.
+
+    Raises `CorruptCheckpointError` when they stop short of ``step`` (an older step may
+    still do), `JobError` when the rows file is missing or unreadable (no step can).
+    """
+    from gossipjax.checkpoint import CorruptCheckpointError
+
+    path = os.path.join(self.directory, HISTORY)
+    try:
+      with open(path) as f:
+        rows = [r for r in json.load(f) if r["step"] <= step]
+    except FileNotFoundError:
+      raise JobError(f"{path} is missing: the metrics rows of the checkpoints are gone; start again with "
+                     "--overwrite") from None
+    except (ValueError, KeyError, TypeError) as e:
+      raise JobError(f"{path} is unreadable ({type(e).__name__}: {e}); start again with --overwrite") from None
+    steps = [r["step"] for r in rows]
+    if step and (not steps or steps[-1] != step or steps != sorted(set(steps))):
+      raise CorruptCheckpointError(f"{path} does not hold the metrics rows up to step {step}")
+    return rows
+
+  def _gather(self, value: Any) -> list[Any]:
+    return self.comm.allgather(value) if self.comm is not None else [value]
+
+  def restore(self, fresh: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """The newest step that restores intact, with its rows, on every process; ``(None, [])`` without one.
+
+    A step that is corrupt (on any rank) is skipped with a warning; `JobError` when steps
+    exist and none is intact, or when a step holds another tree (other options).
+    """
+    from gossipjax import checkpoint
+    from gossipjax.train._loop import TrainState
+
+    like = {"step": 0, "params": fresh.params, "opt_state": fresh.opt_state}
+    skipped = []
+    step = checkpoint.latest_step(self.directory, self.comm)
+    while step is not None:
+      tree, rows, problem, fatal = None, [], None, None
+      try:
+        tree = checkpoint.restore(self.directory, like=like, step=step)
+        rows = self._rows(step)
+      except checkpoint.CorruptCheckpointError as e:
+        problem = str(e)
+      except (JobError, ValueError, OSError) as e:
+        fatal = str(e)
+      problems = self._gather((problem, fatal))
+      fatal_ones = [(rank, f) for rank, (_, f) in enumerate(problems) if f]
+      if fatal_ones:
+        rank, message = fatal_ones[0]
+        where = f" (rank {rank})" if self.comm is not None else ""
+        raise JobError(f"{self.name}: cannot resume from step {step}{where}: {message}")
+      bad = [(rank, p) for rank, (p, _) in enumerate(problems) if p]
+      if not bad:
+        break
+      older = checkpoint.latest_step(self.directory, self.comm, before=step)
+      rank, message = bad[0]
+      where = f" on rank {rank}" if self.comm is not None else ""
+      skipped.append(str(step))
+      if self.is_main:
+        then = f"resuming from step {older}" if older is not None else "no older step"
+        warn(f"{self.name}: skipping step {step}, which does not restore intact{where} ({message}); {then}")
+      step = older
+    if step is None:
+      if skipped:
+        raise JobError(f"{self.name}: no checkpoint in {self.directory} restores intact (steps "
+                       f"{', '.join(skipped)}); start again with --overwrite")
+      return None, []
+    placed = self.placement.like({"params": tree["params"], "opt_state": tree["opt_state"]},
+                                 {"params": fresh.params, "opt_state": fresh.opt_state})
+    return TrainState(int(tree["step"]), placed["params"], placed["opt_state"]), rows

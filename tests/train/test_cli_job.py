@@ -1,0 +1,148 @@
+"""``gossipjax train``'s output folder belongs to one job, and --resume continues that job or says why not."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from gossipjax import cli
+from gossipjax.train import _job
+
+TINY = ["train", "--nodes", "4", "--log-every", "5", "--checkpoint-every", "5", "--no-progress",
+        "--algorithms", "dpsgd", "--topologies", "ring"]
+
+
+def _fails(argv, capsys, status):
+  """Runs the CLI, which must fail with ``status`` and one line on stderr; returns that line."""
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(argv)
+  err = capsys.readouterr().err
+  assert exit_.value.code == status, err
+  assert err.count("\n") == 1 and err.startswith("gossipjax train: error: ") and "Traceback" not in err, err
+  return err
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+  """The job up to its first run: the folder is claimed and recorded, no training is done."""
+  outs = []
+  monkeypatch.setattr(cli, "_train_runs", lambda args, *rest: outs.append(args.out) or {})
+  return outs
+
+
+def test_a_folder_in_use_is_refused_naming_its_holder(tmp_path, capsys, no_training):
+  held = _job.OutputFolder(str(tmp_path))
+  held.claim()
+  try:
+    err = _fails(TINY + ["--steps", "5", "--out", str(tmp_path)], capsys, 2)
+    assert f"argument --out: {tmp_path} is in use by the job of pid {os.getpid()} on " in err
+  finally:
+    held.release()
+  cli.main(TINY + ["--steps", "5", "--out", str(tmp_path)])  # once released, the folder is free
+  assert no_training == [str(tmp_path)]
+
+
+def test_a_new_job_leaves_another_jobs_folder_alone_unless_told_to_overwrite(tmp_path, capsys, no_training):
+  (tmp_path / "checkpoints" / "dmsgd__ring" / "20").mkdir(parents=True)
+  (tmp_path / "job.json").write_text(json.dumps({"lr": 0.5}))
+  (tmp_path / "notes.txt").write_text("mine")
+  err = _fails(TINY + ["--steps", "5", "--out", str(tmp_path)], capsys, 2)
+  assert f"argument --out: {tmp_path} holds another job's job.json, checkpoints; continue that job with --resume" in err
+  assert (tmp_path / "checkpoints" / "dmsgd__ring" / "20").is_dir()
+  cli.main(TINY + ["--steps", "5", "--out", str(tmp_path), "--overwrite"])
+  assert not (tmp_path / "checkpoints").exists() and (tmp_path / "notes.txt").read_text() == "mine"
+  assert json.loads((tmp_path / "job.json").read_text())["lr"] == 0.1
+
+
+def test_without_out_every_job_gets_a_fresh_folder(tmp_path, monkeypatch, capsys, no_training):
+  monkeypatch.chdir(tmp_path)
+  cli.main(TINY + ["--steps", "5"])
+  cli.main(TINY + ["--steps", "5"])  # `make demo` twice in a row
+  first, second = no_training
+  assert first != second and os.path.dirname(first) == os.path.dirname(second) == os.path.join("runs", "train")
+  assert all((tmp_path / out / "job.json").is_file() for out in no_training)
+  err = _fails(TINY + ["--steps", "5", "--resume"], capsys, 2)
+  assert "argument --resume: give --out, the folder of the job to continue" in err
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_an_unusable_out_is_one_line(tmp_path, capsys, where):
+  (tmp_path / "f").write_text("")
+  out = tmp_path / "f" if where == "file" else tmp_path / "f" / "run"
+  err = _fails(TINY + ["--steps", "5", "--out", str(out)], capsys, 2)
+  assert "argument --out: " in err and ("is a file, not a folder" if where == "file" else "Not a directory") in err
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+  """A finished job of 15 steps, checkpointed at steps 10 and 15 (keep 2), and its metrics rows."""
+  out = tmp_path_factory.mktemp("job") / "out"
+  cli.main(TINY + ["--steps", "15", "--out", str(out)])
+  return out, json.loads((out / "metrics.json").read_text())["runs"]["dpsgd/ring"]["history"]
+
+
+def _copy(checkpointed, tmp_path):
+  out = tmp_path / "out"
+  shutil.copytree(checkpointed[0], out)
+  return out, out / "checkpoints" / "dpsgd__ring"
+
+
+def test_resume_skips_a_corrupt_newest_step_with_one_warning(checkpointed, tmp_path, capsys):
+  out, run = _copy(checkpointed, tmp_path)
+  (run / "15" / "gossipjax_manifest.json").write_text("{")  # a torn write
+  capsys.readouterr()
+  cli.main(TINY + ["--steps", "15", "--out", str(out), "--resume"])
+  err = capsys.readouterr().err
+  assert err.count("warning") == 1 and "dpsgd/ring: skipping step 15, which does not restore intact" in err, err
+  assert "resuming from step 10" in err
+  rows = json.loads((out / "metrics.json").read_text())["runs"]["dpsgd/ring"]["history"]
+  assert [r["step"] for r in rows] == [5, 10, 15]
+  assert rows == checkpointed[1]  # rows up to 10 kept, 15 recomputed: the same numbers
+
+
+def test_resume_without_the_rows_of_a_checkpoint_is_one_line(checkpointed, tmp_path, capsys):
+  out, run = _copy(checkpointed, tmp_path)
+  (run / "history.json").unlink()
+  err = _fails(TINY + ["--steps", "20", "--out", str(out), "--resume"], capsys, 1)
+  assert "dpsgd/ring: cannot resume from step 15: " in err and "history.json is missing" in err, err
+  assert "--overwrite" in err
+  assert json.loads((out / "metrics.json").read_text())["runs"]["dpsgd/ring"]["history"] == checkpointed[1]
+
+
+def test_resume_applies_max_bad_steps_and_refuses_fewer_steps(checkpointed, tmp_path, capsys, monkeypatch):
+  import gossipjax.train
+
+  out, _ = _copy(checkpointed, tmp_path)
+  err = _fails(TINY + ["--steps", "10", "--out", str(out), "--resume"], capsys, 2)
+  assert "argument --steps: 10 is below step 15, where dpsgd/ring was checkpointed in" in err
+  started = []
+
+  def record(cfg, dataset, model, tx, state, **kwargs):
+    started.append(state)
+    raise KeyboardInterrupt  # stop before training
+
+  monkeypatch.setattr(gossipjax.train, "timed_run", record)
+  with pytest.raises(KeyboardInterrupt):
+    cli.main(TINY + ["--steps", "20", "--out", str(out), "--resume", "--max-bad-steps", "3"])
+  assert started[0].step == 15 and int(started[0].opt_state.max_consecutive) == 3
+
+
+def test_resume_refuses_changed_options_unless_allowed(checkpointed, tmp_path, capsys):
+  out, _ = _copy(checkpointed, tmp_path)
+  for changed, shown in ((["--lr", "0.05"], "--lr 0.1, not --lr 0.05"), (["--seed", "3"], "--seed 0, not --seed 3"),
+                         (["--nodes", "8"], "--nodes 4, not --nodes 8"),
+                         (["--topologies", "exponential"], "--topologies ring, not --topologies exponential"),
+                         (["--algorithms", "dmsgd"], "--algorithms dpsgd, not --algorithms dmsgd")):
+    err = _fails(TINY + ["--steps", "20", "--out", str(out), "--resume"] + changed, capsys, 2)
+    assert f"argument --resume: the job in {out} was started with" in err and shown in err, err
+    assert "--allow-changed-options" in err
+  cli.main(TINY + ["--steps", "20", "--out", str(out), "--resume", "--lr", "0.05", "--allow-changed-options"])
+  rows = json.loads((out / "metrics.json").read_text())["runs"]["dpsgd/ring"]["history"]
+  assert [r["step"] for r in rows] == [5, 10, 15, 20] and rows[:3] == checkpointed[1]
+  assert json.loads((out / "job.json").read_text())["lr"] == 0.05
+
+
+def test_metrics_record_the_momentum_each_run_uses(checkpointed):
+  config = json.loads((checkpointed[0] / "metrics.json").read_text())["runs"]["dpsgd/ring"]["config"]
+  assert config["beta"] == 0.0

@@ -1,0 +1,78 @@
+"""kill -9 of ``gossipjax train`` at random moments around its checkpoint writes, then --resume.
+
+The resumed job must end with the metrics of an uninterrupted run, every row exactly once.
+Every process runs under a timeout, so a hang fails the test instead of stalling CI.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+
+from _launch import BIN, environment
+
+ARGS = ["train", "--nodes", "4", "--steps", "40", "--log-every", "5", "--checkpoint-every", "5", "--no-progress",
+        "--algorithms", "dpsgd", "--topologies", "ring"]
+TIMEOUT = 120  # seconds per process; a healthy one takes a few
+
+
+def _start(out, *extra, env):
+  return subprocess.Popen([str(BIN / "gossipjax"), *ARGS, "--out", str(out), *extra], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(proc):
+  try:
+    out = proc.communicate(timeout=TIMEOUT)[0]
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"gossipjax train hung (killed after {TIMEOUT} s):\n{proc.communicate()[0][-4000:]}")
+  return proc.returncode, out
+
+
+def _mtime(path):
+  try:
+    return path.stat().st_mtime_ns
+  except FileNotFoundError:
+    return None
+
+
+def _rows(out):
+  return json.loads((out / "metrics.json").read_text())["runs"]["dpsgd/ring"]["history"]
+
+
+@pytest.mark.slow
+def test_kill_9_around_checkpoint_writes_then_resume_equals_an_uninterrupted_run(tmp_path):
+  # One compilation shared by every process (the test's time goes to the kills, not to XLA).
+  env = environment(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  straight = _start(tmp_path / "straight", env=env)
+  out = tmp_path / "killed"
+  history = out / "checkpoints" / "dpsgd__ring" / "history.json"
+  rng = random.Random(0)  # the delays; where they land varies with the machine
+  killed = 0
+  for attempt in range(4):
+    before = _mtime(history)
+    proc = _start(out, *(["--resume"] if attempt else []), env=env)
+    deadline = time.monotonic() + TIMEOUT
+    # The rows are written just before each checkpoint: a kill shortly after lands in or around a save.
+    while proc.poll() is None and _mtime(history) == before and time.monotonic() < deadline:
+      time.sleep(0.002)
+    time.sleep(rng.uniform(0.0, 0.4))
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      killed += 1
+    code, log = _finish(proc)
+    assert code in (0, -signal.SIGKILL), log[-4000:]
+  code, log = _finish(_start(out, "--resume", env=env))
+  assert code == 0, log[-4000:]
+  code, log = _finish(straight)
+  assert code == 0, log[-4000:]
+  assert killed >= 3, f"only {killed} of 4 runs were killed before they finished"
+  rows = _rows(out)
+  assert [r["step"] for r in rows] == list(range(5, 45, 5))
+  assert rows == _rows(tmp_path / "straight")  # every metric equal as floats, every row once
