@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gossipjax.backend._base import follow_placement
+
 
 class GuardFiniteState(NamedTuple):
   """State of `guard_finite`.
@@ -183,7 +185,7 @@ def guard_finite(inner: optax.GradientTransformation,
 
   def init_fn(params):
     n = _num_nodes(params, "params")
-    zeros = jnp.zeros((n,), jnp.int32)
+    zeros = follow_placement(jnp.zeros((n,), jnp.int32), params)
     return GuardFiniteState(inner.init(params), zeros, zeros, jnp.asarray(max_consecutive, jnp.int32))
 
   def update_fn(grads, state, params=None, **extra_args):

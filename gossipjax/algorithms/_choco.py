@@ -10,6 +10,7 @@ import optax
 
 from gossipjax._validation import check_in_range, check_learning_rate, check_node_axis, require_params
 from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.backend._base import follow_placement
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
 
 from gossipjax.compress import Compressor
@@ -118,7 +119,7 @@ def choco_sgd(
   def init_fn(params):
     leaves = jax.tree.leaves(params)
     n = leaves[0].shape[0] if leaves and leaves[0].ndim else mixer.local_nodes
-    return ChocoState(
+    state = ChocoState(
         count=jnp.zeros([], jnp.int32),
         public=optax.tree.zeros_like(params),
         neighbour_sum=optax.tree.zeros_like(params),
@@ -126,6 +127,7 @@ def choco_sgd(
         key=jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(mixer.first_node() + jnp.arange(n)),
         message_bits=jnp.zeros([n], float),
     )
+    return state._replace(**follow_placement({"key": state.key, "message_bits": state.message_bits}, params))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args

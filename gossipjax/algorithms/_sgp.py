@@ -10,6 +10,7 @@ import optax
 
 from gossipjax._validation import check_learning_rate, check_momentum, check_node_axis, require_params
 from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.backend._base import follow_placement
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 
 
@@ -96,7 +97,7 @@ def sgp(
     dtype = jnp.result_type(*[x.dtype for x in leaves])
     return SGPState(
         count=jnp.zeros([], jnp.int32),
-        push_weight=jnp.ones(leaves[0].shape[:1], dtype),
+        push_weight=follow_placement(jnp.ones(leaves[0].shape[:1], dtype), params),
         momentum=optax.tree.zeros_like(params),
     )
 

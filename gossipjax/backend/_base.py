@@ -74,3 +74,66 @@ class Backend(Protocol):
   def map(self, fn: Callable[..., Any], in_axes: Any = 0, num_nodes: int | None = None) -> Callable[..., Any]:
     """``fn`` on each node's slice, as ``jax.vmap(fn, in_axes)``, run where the nodes live."""
     ...
+
+
+def node_sharding(leaf: Any) -> Any:
+  """The ``NamedSharding`` of a node-stacked leaf's node axis, or ``None`` where it has none.
+
+  Reads a concrete ``jax.Array``'s sharding, or under ``jax.jit`` the sharding type of an
+  Explicit mesh; Auto meshes under ``jit`` carry no type, and then there is nothing to follow.
+  """
+  if isinstance(leaf, jax.core.Tracer):
+    try:
+      sharding = jax.typeof(leaf).sharding
+    except (AttributeError, TypeError):
+      return None
+  else:
+    sharding = getattr(leaf, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding) or not spec or spec[0] is None:
+    return None
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[0]))
+
+
+def follow_placement(tree: Any, params: Any) -> Any:
+  """Places the per-node arrays of ``tree`` (leading axis n) as the node axis of ``params`` is placed.
+
+  What an algorithm's ``init`` calls on the per-node arrays it builds from scratch (PRNG
+  keys, push-sum weights, counters per node): on a sharded node axis they are then sharded
+  the same way, as a state built by ``zeros_like(params)`` already is, and a later
+  ``shard_map`` over the node axis accepts them on Explicit meshes too. Unplaced params
+  leave ``tree`` as it is.
+
+  Args:
+    tree: arrays built by an ``init``; those whose leading axis is the params' node count
+      are placed, the rest (scalars, counters) are left alone.
+    params: the node-stacked params the state belongs to.
+
+  Returns:
+    ``tree``, with its per-node arrays placed like the params' node axis.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, gossipjax as gj
+    >>> from gossipjax.backend._base import follow_placement
+    >>> be = gj.backend.sharded(jax.make_mesh((len(jax.devices()),), ("nodes",)))
+    >>> params = be.shard(jnp.zeros((2 * be.num_devices, 3)))
+    >>> keys = follow_placement(jnp.zeros((2 * be.num_devices, 2), jnp.uint32), params)
+    >>> keys.sharding.spec[0]
+    'nodes'
+  """
+  leaves = [x for x in jax.tree.leaves(params) if getattr(x, "ndim", 0) >= 1]
+  if not leaves:
+    return tree
+  target = node_sharding(leaves[0])
+  if target is None:
+    return tree
+  n = leaves[0].shape[0]
+
+  def put(x):
+    if getattr(x, "ndim", 0) == 0 or x.shape[0] != n:
+      return x
+    if isinstance(x, jax.core.Tracer):
+      return jax.sharding.reshard(x, target)
+    return jax.device_put(x, target)
+
+  return jax.tree.map(put, tree)

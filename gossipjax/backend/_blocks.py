@@ -115,12 +115,12 @@ class BlockPlan:
     return tuple((ex.pairs, tuple(ex.count.tolist())) for ex in self.exchanges)
 
 
-def check_divisible(topology: Topology, num_devices: int, where: str) -> int:
-  """Returns B = n / K, or raises ``ValueError`` saying how to fix an uneven split."""
+def check_divisible(topology: Topology, num_devices: int, where: str, name: str = "gj.backend") -> int:
+  """Returns B = n / K, or raises ``ValueError`` (starting with ``name``) saying how to fix an uneven split."""
   n = topology.num_nodes
   if num_devices < 1 or n % num_devices:
     raise ValueError(
-        f"{topology.name} has {n} nodes, which do not split evenly over the {num_devices} {where}: "
+        f"{name}: {topology.name} has {n} nodes, which do not split evenly over the {num_devices} {where}: "
         f"every one must hold the same number of nodes, so use a node count that is a multiple of "
         f"{num_devices} (or run on a number of {where.split()[-1]} that divides {n})"
     )

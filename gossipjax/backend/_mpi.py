@@ -160,7 +160,7 @@ class Mpi:
     from gossipjax.backend._mpi_fault import check_same_topology
 
     check_same_topology(self.comm, topology)  # before any rank can raise alone, leaving the others waiting
-    check_divisible(topology, self.size, "MPI ranks")
+    check_divisible(topology, self.size, "MPI ranks", "gj.backend.mpi")
     plans = compile_topology(topology, self.size)
     return MpiMixer(topology, self.comm, self.rank, self.size, plans, self.bucket_bytes, step_table_or_none(plans))
 

@@ -25,6 +25,41 @@ from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTabl
 from gossipjax.topology import Topology
 
 
+def _explicit(mesh: Mesh, axis: str) -> bool:
+  return dict(zip(mesh.axis_names, mesh.axis_types)).get(axis) == jax.sharding.AxisType.Explicit
+
+
+def conform(tree: Any, mesh: Mesh, specs: Any) -> Any:
+  """Puts each leaf where its spec says before a ``shard_map``, so unplaced params are placed, not refused.
+
+  Eagerly, a leaf placed otherwise (a host array, one device, replicated) is copied to the
+  spec's sharding. Under ``jax.jit`` on an Explicit mesh, where ``shard_map`` accepts only
+  inputs typed with its ``in_specs``, it is resharded; on an Auto mesh ``shard_map`` does it.
+  """
+
+  def put(x, spec):
+    target = NamedSharding(mesh, spec)
+    if isinstance(x, jax.core.Tracer):
+      if not any(_explicit(mesh, a) for a in mesh.axis_names):
+        return x
+      current = getattr(jax.typeof(x), "sharding", None)
+      if getattr(current, "spec", None) is not None and tuple(current.spec) == tuple(spec) + (None,) * (
+          x.ndim - len(spec)):
+        return x
+      return jax.sharding.reshard(x, target)
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+      return x
+    return jax.device_put(x, target)
+
+  return jax.tree.map(put, tree, specs)
+
+
+def _broadcast_spec(spec: Any, arg: Any) -> Any:
+  """A pytree-prefix of specs (as ``in_specs`` takes) expanded to one spec per leaf of ``arg``."""
+  return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), spec, arg,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShardedMixer:
   """W(step) on global arrays whose leading (node) axis is sharded over ``mesh[axis]``."""
@@ -55,6 +90,7 @@ class ShardedMixer:
                         self.bucket_bytes, self.table)
 
     specs = jax.tree.map(lambda _: P(axis), tree)
+    tree = conform(tree, self.mesh, specs)
     if len(plans) == 1 or isinstance(step, (int, np.integer)):
       fn = lambda t: body(t, step)
       return jax.shard_map(fn, mesh=self.mesh, in_specs=(specs,), out_specs=specs)(tree)
@@ -83,6 +119,7 @@ class Sharded:
   mesh: Mesh
   axis: str = "nodes"
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
   def __post_init__(self):
     check_bucket_bytes(self.bucket_bytes, "gj.backend.sharded")
@@ -122,7 +159,7 @@ class Sharded:
     return jax.tree.map(put, tree)
 
   def mixer(self, topology: Topology) -> ShardedMixer:
-    check_divisible(topology, self.num_devices, f"devices of mesh axis {self.axis!r}")
+    check_divisible(topology, self.num_devices, f"devices of mesh axis {self.axis!r}", "gj.backend.sharded")
     plans = compile_topology(topology, self.num_devices)
     return ShardedMixer(topology, self.mesh, self.axis, plans, self.bucket_bytes, step_table_or_none(plans))
 
@@ -135,7 +172,7 @@ class Sharded:
       return jnp.broadcast_to(total / n, x.shape).astype(x.dtype)
 
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=P(axis), out_specs=P(axis))
-    return jax.tree.map(fn, tree)
+    return jax.tree.map(fn, conform(tree, self.mesh, jax.tree.map(lambda _: P(axis), tree)))
 
   def local_nodes(self, num_nodes: int) -> int:
     return num_nodes
@@ -177,10 +214,17 @@ class Sharded:
                       divisor_what=f"devices of mesh axis {axis!r}")
       specs = tuple(jax.tree.map(lambda a: P() if a is None else P(axis), a, is_leaf=lambda x: x is None)
                     for a in axes)
-      body = jax.shard_map(jax.vmap(fn, in_axes=axes), mesh=self.mesh, in_specs=specs, out_specs=P(axis))
-      # Under jit the inputs are resharded to the specs as needed; called eagerly, shard_map
-      # would instead require arguments already placed as the specs say.
-      return jax.jit(body)(*args)
+      flat_axes, axes_def = jax.tree.flatten(axes, is_leaf=lambda x: x is None)
+      key = (fn, tuple(flat_axes), axes_def, tuple(jax.tree.structure(a) for a in args))
+      body = self._compiled.get(key)
+      if body is None:
+        # Under jit the inputs are resharded to the specs as needed; called eagerly, shard_map
+        # would instead require arguments already placed as the specs say. One jitted function
+        # per (fn, in_axes, argument structure): a second eager call does not compile again.
+        body = jax.jit(jax.shard_map(jax.vmap(fn, in_axes=axes), mesh=self.mesh, in_specs=specs, out_specs=P(axis)))
+        self._compiled[key] = body
+      args = tuple(conform(arg, self.mesh, _broadcast_spec(spec, arg)) for arg, spec in zip(args, specs))
+      return body(*args)
 
     return mapped
 

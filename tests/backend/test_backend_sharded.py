@@ -124,7 +124,7 @@ def test_inject_hyperparams_treats_the_backend_as_data(backend):
 
 
 def test_nodes_not_divisible_by_devices(backend):
-  with pytest.raises(ValueError, match=r"ring\(12\) has 12 nodes.*multiple of 8"):
+  with pytest.raises(ValueError, match=r"^gj.backend.sharded: ring\(12\) has 12 nodes.*multiple of 8"):
     gj.gossip_sgd(T.ring(12), learning_rate=0.1, backend=backend)
 
 

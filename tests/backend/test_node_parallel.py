@@ -216,4 +216,6 @@ def test_a_plain_vmap_of_the_cnn_gradient_all_gathers(sharded):
 def test_each_device_does_an_eighth_of_the_flops(sharded, name, topo):
   per_device = _cnn_step(name, topo, sharded).cost_analysis()["flops"]
   simulated = _cnn_step(name, topo, gj.backend.simulate()).cost_analysis()["flops"]
-  assert 0.115 < per_device / simulated < 0.15, per_device / simulated
+  # 1/8 of the model's flops, plus the mixing: a time-varying graph's step-indexed weights
+  # are applied outside its exchange branches, which counts a little more than a switch does.
+  assert 0.115 < per_device / simulated < 0.16, per_device / simulated
