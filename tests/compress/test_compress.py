@@ -30,9 +30,9 @@ def test_top_k_keeps_the_largest_entries_of_each_layer():
     want = np.zeros(leaf.size)
     want[keep] = np.asarray(leaf)[keep]
     np.testing.assert_array_equal(got, want)
-  # k values with a ceil(log2 d)-bit index each: 4 * (64 + 5) for "a", 1 * (64 + 3) for "b" (float64)
-  assert float(C.top_k(0.2).bits(tree)) == 4 * (64 + 5) + 1 * (64 + 3)
-  assert float(C.top_k(0.2).bits(jnp.zeros(20, jnp.float32))) == 4 * (32 + 5)
+  # k values with a uint8 index each: 4 * (64 + 8) for "a", 1 * (64 + 8) for "b" (float64)
+  assert float(C.top_k(0.2).bits(tree)) == 4 * (64 + 8) + 1 * (64 + 8)
+  assert float(C.top_k(0.2).bits(jnp.zeros(20, jnp.float32))) == 4 * (32 + 8)
 
 
 def test_threshold_mean_keeps_entries_at_or_above_each_layers_mean():
@@ -43,8 +43,8 @@ def test_threshold_mean_keeps_entries_at_or_above_each_layers_mean():
     keep = np.abs(leaf) >= np.abs(leaf).mean()  # each layer against its own mean
     np.testing.assert_array_equal(got, np.where(keep, leaf, 0))
     assert 0 < keep.sum() < leaf.size
-  kept = sum(int((np.abs(np.asarray(l)) >= np.abs(np.asarray(l)).mean()).sum()) for l in jax.tree.leaves(tree))
-  assert float(C.threshold_mean().bits(tree)) == kept * (64 + 5)
+  # how many entries are kept depends on the data, so the fixed-shape message is the dense layer
+  assert float(C.threshold_mean().bits(tree)) == float(C.identity().bits(tree)) == 40 * 64
   literal = C.threshold_mean(absolute=False).compress(X, jax.random.PRNGKey(0))
   np.testing.assert_array_equal(literal, np.where(np.asarray(X) >= np.asarray(X).mean(), X, 0))
 
@@ -53,7 +53,7 @@ def test_sign_sends_one_bit_per_entry_and_a_scale():
   got = np.asarray(C.sign().compress(X, jax.random.PRNGKey(0)))
   np.testing.assert_allclose(np.abs(got), np.abs(np.asarray(X)).mean())
   np.testing.assert_array_equal(np.sign(got), np.sign(X))
-  assert float(C.sign().bits(X)) == 20 + 64
+  assert float(C.sign().bits(X)) == 3 * 8 + 64  # 20 sign bits in 3 bytes, a float64 scale
 
 
 def test_qsgd_values_lie_on_its_grid():
@@ -61,7 +61,7 @@ def test_qsgd_values_lie_on_its_grid():
   got = np.asarray(C.qsgd(s).compress(X, jax.random.PRNGKey(1)))
   levels = np.abs(got) / float(jnp.linalg.norm(X)) * s
   np.testing.assert_allclose(levels, np.round(levels), atol=1e-12)
-  assert float(C.qsgd(s).bits(X)) == 20 * (1 + 3) + 64
+  assert float(C.qsgd(s).bits(X)) == 20 * 8 + 64  # an int8 level per entry, a float64 norm
 
 
 @pytest.mark.parametrize("compressor", [C.random_k(0.25), C.qsgd(2)], ids=["random_k", "qsgd"])
@@ -100,7 +100,7 @@ def test_compressors_are_static_data_and_validate():
     assert hash(c) == hash(type(c)(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}))
   with pytest.raises(ValueError, match="fraction must be a number in"):
     C.top_k(0.0)
-  with pytest.raises(ValueError, match="levels must be a positive integer"):
+  with pytest.raises(ValueError, match="gj.compress.qsgd: levels must be a positive integer"):
     C.qsgd(0)
   with pytest.raises(TypeError, match="compressor must be a gj.compress"):
     gj.choco_sgd(T.ring(N), "top_k", learning_rate=0.1, consensus_step=0.5)
@@ -175,12 +175,10 @@ def test_choco_gossip_reaches_consensus_keeps_the_average_and_counts_bits(compre
   bits = np.asarray(state.message_bits)
   dense = float(C.identity().bits(jax.tree.map(lambda x: x[0], x0)))
   assert dense == 64 * 35 and bits.shape == (N,)
-  if isinstance(compressor, C.ThresholdMean):
-    assert np.all(bits > 0) and np.all(bits < dense)
-  else:  # a fixed message size: the compressor's own count
-    np.testing.assert_array_equal(bits, float(compressor.bits(jax.tree.map(lambda x: x[0], x0))))
+  # a fixed message size: the compressor's wire form
+  np.testing.assert_array_equal(bits, float(compressor.bits(jax.tree.map(lambda x: x[0], x0))))
   if not isinstance(compressor, (C.Identity, C.ThresholdMean)):
-    assert bits.max() < 0.15 * dense
+    assert bits.max() < 0.2 * dense
 
 
 def test_choco_limit_is_dpsgd_with_damped_mixing():
