@@ -14,16 +14,21 @@ role the communication threads play in the paper's implementation.
 
 Shutdown cannot hang: every rank stops after a wall-clock budget or a step cap, releases
 its locks, and enters a final barrier; the progress threads keep serving the lock requests
-of ranks still finishing their last step until everyone has arrived.
+of ranks still finishing their last step until everyone has arrived. A rank whose gradient
+function raises cannot reach that barrier with the others' models consistent, and they
+would wait for it: it prints its traceback and aborts the whole job (``MPI_Abort``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import traceback
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
+
+from gossipjax.backend._mpi_fault import abort_job
 
 
 class MPIAsyncResult(NamedTuple):
@@ -85,6 +90,11 @@ def mpi_adpsgd(
   Raises:
     ValueError: neither ``time_budget`` nor ``max_steps`` is given.
     RuntimeError: MPI was initialized without ``MPI_THREAD_MULTIPLE``.
+
+  When ``grad_fn`` raises on one rank of several, that rank prints the traceback and ends
+  the whole job with ``MPI_Abort(1)`` within a second, whether or not the script called
+  ``gj.backend.mpi_abort_on_error``: the other ranks would otherwise wait for it at the
+  final barrier. On a single process the exception propagates as usual.
 
   Example:
     Each rank of ``mpiexec -n 4 python train.py`` calls it with its own gradient. Run
@@ -164,12 +174,18 @@ def mpi_adpsgd(
         win.Unlock(rank)
       steps += 1
     wall = time.perf_counter() - start
-  finally:
-    # Every rank reaches this barrier after releasing its locks; the progress threads
-    # keep answering the others until all have arrived.
-    comm.Barrier()
-    stop.set()
-    thread.join()
+  except BaseException:
+    if size == 1:
+      stop.set()
+      thread.join()
+      raise
+    traceback.print_exc()
+    abort_job(comm, f"mpi_adpsgd: an exception on rank {rank} of {size}")
+  # Every rank reaches this barrier after releasing its locks; the progress threads
+  # keep answering the others until all have arrived.
+  comm.Barrier()
+  stop.set()
+  thread.join()
   final = np.empty(d)
   win.Lock(rank, MPI.LOCK_SHARED)
   win.Get(final, rank)

@@ -20,6 +20,9 @@ _installed: dict[str, Any] = {}
 _FORWARD_GRACE_S = 0.5
 
 EXIT_TIMEOUT_S = 60.0
+# A rank that exits with a non-zero status has failed: the others get this long to reach their own
+# exit (they often fail together, each saying why), then the job is aborted.
+FAILED_EXIT_WAIT_S = 1.0
 _EXIT_POLL_S = 0.01
 
 
@@ -36,17 +39,21 @@ def abort_on_error(comm: Any = None, errorcode: int = 1, exit_timeout: float | N
     ``comm.Abort(errorcode)`` tells ``mpiexec`` to kill every rank: the job ends with a
     non-zero status within seconds. (This is what ``python -m mpi4py script.py`` does;
     this function gives it to scripts launched as ``mpiexec python script.py``.)
-  - At interpreter exit, for whatever reason, the rank waits up to ``exit_timeout`` seconds
-    for every rank of ``comm`` to reach its own exit (a non-blocking barrier on a
-    communicator of its own, so it never matches a collective of the program). A job
-    whose ranks all finish exits as before; if a rank leaves while the others are still
-    running, it aborts the job with ``errorcode`` when the time is up, whatever its own exit
-    status. A program whose ranks legitimately finish far apart (rank 0 alone writes
-    results for minutes, say) should end with ``comm.Barrier()`` on every rank, or pass a
-    longer ``exit_timeout``.
+  - A rank that exits with a non-zero status (``sys.exit(1)``) has failed: it waits a
+    second for the other ranks to reach their exit (ranks that fail together then end as
+    they are, each with its own message), then aborts the job with that status
+    (``gossipjax: rank 2 of 4 exited with status 1 while other ranks still run``).
+  - A rank that exits with status 0 waits up to ``exit_timeout`` seconds for every rank of
+    ``comm`` to reach its own exit (a non-blocking barrier on a communicator of its own, so
+    it never matches a collective of the program). A job whose ranks all finish exits as
+    before; if a rank leaves while the others are still running, it aborts the job with
+    ``errorcode`` when the time is up. A program whose ranks legitimately finish far apart
+    (rank 0 alone writes results for minutes, say) should end with ``comm.Barrier()`` on
+    every rank, or pass a longer ``exit_timeout``.
 
-  It hooks ``sys.excepthook`` (uncaught exceptions of the main thread) and registers an
-  ``atexit`` function. Call it on every rank of ``comm``: it duplicates the communicator,
+  It hooks ``sys.excepthook`` (uncaught exceptions of the main thread) and ``sys.exit``
+  (to learn the exit status), and registers an ``atexit`` function. A ``SystemExit`` raised
+  directly, not through ``sys.exit``, counts as status 0. Call it on every rank of ``comm``: it duplicates the communicator,
   a collective. Calling it again replaces the communicator and the settings. It does
   nothing without mpi4py or on a communicator of one process (nobody can be left
   waiting), so it is safe in tests and notebooks.
@@ -90,15 +97,35 @@ def abort_on_error(comm: Any = None, errorcode: int = 1, exit_timeout: float | N
       _abort(f"uncaught exception on rank {comm_.Get_rank()} of {comm_.Get_size()}")
 
   sys.excepthook = hook
+  previous_exit = sys.exit
+
+  def exit_(status=None):
+    _installed["exit_status"] = status
+    previous_exit(status)
+
+  sys.exit = exit_
   # Registered after mpi4py's import, so it runs before mpi4py finalizes MPI.
   atexit.register(_exit_together)
 
 
-def _abort(reason: str) -> None:
+def _abort(reason: str, code: int | None = None) -> None:
   """Says why on stderr, gives ``mpiexec`` time to forward the output, then aborts every rank."""
-  comm, code = _installed["comm"], _installed["errorcode"]
+  abort_job(_installed["comm"], reason, _installed["errorcode"] if code is None else code)
+
+
+def abort_job(comm: Any, reason: str, errorcode: int = 1) -> None:
+  """Ends every rank of ``comm``'s job: says why on stderr, lets ``mpiexec`` forward it, then ``comm.Abort``.
+
+  For code that knows the other ranks can no longer finish (they wait for this rank's
+  messages): ``gj.asynchrony.mpi_adpsgd`` calls it when its gradient function raises.
+
+  Args:
+    comm: an mpi4py communicator of the job.
+    reason: what happened, one line (``uncaught exception on rank 2 of 4``).
+    errorcode: the exit status ``mpiexec`` reports.
+  """
   try:  # said here too: the MPI library's own abort message can be lost with the job's pipes
-    sys.stderr.write(f"gossipjax: {reason}: MPI_Abort({code}) ends every rank\n")
+    sys.stderr.write(f"gossipjax: {reason}: MPI_Abort({errorcode}) ends every rank\n")
   except Exception:
     pass
   for stream in (sys.stdout, sys.stderr):
@@ -107,7 +134,7 @@ def _abort(reason: str) -> None:
     except Exception:  # a closed stream must not stop the abort
       pass
   time.sleep(_FORWARD_GRACE_S)
-  comm.Abort(code)
+  comm.Abort(errorcode)
 
 
 def _exit_together() -> None:
@@ -123,15 +150,28 @@ def _exit_together() -> None:
 
   if MPI.Is_finalized():  # the program finalized MPI itself: nothing can wait or abort
     return
+  status = _exit_code(_installed.get("exit_status"))
   request = exit_comm.Ibarrier()
-  deadline = time.monotonic() + timeout
+  deadline = time.monotonic() + (min(timeout, FAILED_EXIT_WAIT_S) if status else timeout)
   while not request.Test():
     if time.monotonic() >= deadline:
-      _abort(f"rank {exit_comm.Get_rank()} of {exit_comm.Get_size()} is exiting, but not every rank reached "
+      where = f"rank {exit_comm.Get_rank()} of {exit_comm.Get_size()}"
+      if status:
+        _abort(f"{where} exited with status {status} while other ranks still run", status)
+      _abort(f"{where} is exiting, but not every rank reached "
              f"its exit within {timeout:g} s (a rank that returns or calls sys.exit early leaves the others "
              "waiting; if they were only busy, end every rank with comm.Barrier(), or raise exit_timeout "
              "of gj.backend.mpi_abort_on_error)")
     time.sleep(_EXIT_POLL_S)
+
+
+def _exit_code(status: Any) -> int:
+  """The process exit status of ``sys.exit(status)``: 0 for None, the int, else 1 (a message)."""
+  if status is None:
+    return 0
+  if isinstance(status, int):
+    return status & 0xFF
+  return 1
 
 
 def check_same_topology(comm: Any, topology: Any) -> None:

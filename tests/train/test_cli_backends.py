@@ -1,6 +1,7 @@
 """``gossipjax train --backend sharded|mpi`` reports the simulation's numbers (float32, to 1e-5)."""
 
 import json
+import shutil
 
 import pytest
 from _launch import BIN
@@ -53,3 +54,18 @@ def test_mpi_main_job_equals_the_simulation(simulated, tmp_path):
   assert got["config"]["devices"] == 4 and got["config"]["backend"] == "mpi"
   assert out.count("| dmsgd/ring |") == 1  # only rank 0 prints the table
   _assert_same_metrics(got, simulated)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_mpi_ranks_resume_from_the_newest_step_every_rank_has(tmp_path):
+  """A kill while the ranks were saving step 10 left rank 1 at step 5: every rank resumes from 5."""
+  cmd = [BIN / "mpiexec", "-n", "2", BIN / "gossipjax", "train", "--backend", "mpi", "--nodes", "4", "--steps", "10",
+         "--log-every", "5", "--checkpoint-every", "5", "--no-progress", "--algorithms", "dpsgd", "--topologies",
+         "ring", "--out", str(tmp_path)]
+  _launch(cmd, 300)
+  first = json.loads((tmp_path / "metrics.json").read_text())["runs"]["dpsgd/ring"]["history"]
+  shutil.rmtree(tmp_path / "checkpoints" / "dpsgd__ring" / "rank_1" / "10")
+  (tmp_path / "metrics.json").unlink()
+  _launch(cmd + ["--resume"], 300)
+  assert json.loads((tmp_path / "metrics.json").read_text())["runs"]["dpsgd/ring"]["history"] == first
