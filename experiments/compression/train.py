@@ -7,9 +7,10 @@ threshold-at-mean rule of Cui (2019), "Decentralized Deep Learning with Gradient
 D-PSGD (`gj.gossip_sgd` with ``beta=0``) sends the dense model.
 
 Bits: every step node i sends its message to each of its out-neighbours; the size of
-the message is the compressor's own count (``state.message_bits``, from
-``Compressor.bits``; for D-PSGD ``gj.compress.identity().bits``, 32 bits per float).
-The figure's x axis is the cumulative bits sent over the whole network.
+the message is the size of the compressor's compact wire form, the arrays that
+``Compressor.encode_leaf`` builds for each layer (``state.message_bits``, from
+``Compressor.bits``); for D-PSGD the dense model (``gj.compress.identity().bits``, 32 bits
+per float). The figure's x axis is the cumulative bits sent over the whole network.
 
 What is measured is each node's own model (``train_loss``: the nodes' mean training
 loss on the full training set; ``test_accuracy``: the nodes' mean test accuracy), since
