@@ -210,7 +210,12 @@ def _make_backend(args: argparse.Namespace):
   if args.backend == "simulate":
     return gj.backend.simulate()
   if args.backend == "mpi":
-    return gj.backend.mpi(abort_on_error=True)  # a failing rank ends the job instead of hanging it
+    from gossipjax.train._job import UsageError
+
+    try:
+      return gj.backend.mpi(abort_on_error=True)  # a failing rank ends the job instead of hanging it
+    except ImportError as e:
+      raise UsageError(f"argument --backend: mpi: {e}") from None
   devices = jax.devices()
   k = args.devices or len(devices)
   if k > len(devices):

@@ -128,6 +128,28 @@ def test_resume_applies_max_bad_steps_and_refuses_fewer_steps(checkpointed, tmp_
   assert started[0].step == 15 and int(started[0].opt_state.max_consecutive) == 3
 
 
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_the_previous_step(checkpointed, tmp_path, capsys,
+                                                                                   monkeypatch):
+  import orbax.checkpoint as ocp
+
+  from gossipjax import checkpoint
+
+  out, run = _copy(checkpointed, tmp_path)
+
+  def disk_full(self, directory, *args, **kwargs):  # how tensorstore reports it
+    raise ValueError("OUT_OF_RANGE: Error writing local file: No space left on device")
+
+  monkeypatch.setattr(ocp.Checkpointer, "save", disk_full)
+  err = _fails(TINY + ["--steps", "20", "--out", str(out), "--resume"], capsys, 1)
+  assert "dpsgd/ring: could not save the checkpoint of step 20 in" in err and "No space left on device" in err, err
+  assert "the previous checkpoint is intact" in err
+  monkeypatch.undo()
+  assert checkpoint.all_steps(run) == [10, 15] and not [p for p in run.iterdir() if p.name.startswith(".tmp")]
+  cli.main(TINY + ["--steps", "15", "--out", str(out), "--resume"])  # step 15 restores: nothing left to train
+  assert "warning" not in capsys.readouterr().err
+  assert json.loads((out / "metrics.json").read_text())["runs"]["dpsgd/ring"]["history"] == checkpointed[1]
+
+
 def test_resume_refuses_changed_options_unless_allowed(checkpointed, tmp_path, capsys):
   out, _ = _copy(checkpointed, tmp_path)
   for changed, shown in ((["--lr", "0.05"], "--lr 0.1, not --lr 0.05"), (["--seed", "3"], "--seed 0, not --seed 3"),
