@@ -45,7 +45,7 @@ class Compressor:
 
     What crosses the wire for a 1000-entry float32 layer, and the dense leaf it decodes to:
 
-    >>> c, x, key = gj.compress.top_k(0.01), jnp.linspace(-1.0, 1.0, 1000), jax.random.key(0)
+    >>> c, x, key = gj.compress.top_k(0.01), jnp.linspace(-1.0, 1.0, 1000, dtype=jnp.float32), jax.random.key(0)
     >>> [(s.shape, str(s.dtype)) for s in c.wire_spec(x.shape, x.dtype)]  # 10 values, 10 indices
     [((10,), 'float32'), ((10,), 'uint16')]
     >>> wire = c.encode_leaf(x, key)
