@@ -1,7 +1,9 @@
 """Compressors for communication-efficient gossip (CHOCO-SGD): sparsifiers and quantizers.
 
-Each compressor is static data with ``compress(tree, key)`` and ``bits(tree)`` for one
-node's pytree; every layer (leaf) is compressed on its own.
+Each compressor is static data with ``compress(tree, key)`` (the dense ``C(x)``) for one
+node's pytree, ``encode_leaf``/``decode_leaf`` for the compact arrays that cross the wire
+(``wire_spec`` gives their shapes) and ``bits(tree)``, their size; every layer (leaf) is
+compressed on its own.
 """
 
 from gossipjax.compress._base import Compressor, Identity, identity
