@@ -64,7 +64,8 @@ def _real(what: str, low: float, high: float = float("inf"), low_open: bool = Fa
 DEFAULT_ROOT = os.path.join("runs", "train")
 
 RESUME_OPTIONS = ("algorithms", "topologies", "nodes", "lr", "beta", "seed", "batch_size", "partition", "alpha",
-                  "model", "log_every", "backend", "compressor", "compress_fraction", "consensus_step", "average_every")
+                  "model", "log_every", "backend", "compressor", "compress_fraction", "consensus_step", "average_every",
+                  "inner_steps", "outer_lr", "outer_momentum")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                  default=0.3, help="choco: the consensus step size (too large for the compressor diverges)")
   t.add_argument("--average-every", type=_integer(1, "a positive integer"), default=10,
                  help="dmsgd_pga: steps between global averages")
+  t.add_argument("--inner-steps", type=_integer(1, "a positive integer"), default=10,
+                 help="diloco, noloco: local AdamW steps (learning rate --lr, b1 --beta) per outer step")
+  t.add_argument("--outer-lr", type=_real("a finite number > 0", 0.0, low_open=True), default=0.7,
+                 help="diloco, noloco: the outer learning rate")
+  t.add_argument("--outer-momentum", type=_real("a number in [0, 1)", 0.0, 1.0), default=None,
+                 help="diloco, noloco: the outer momentum (default: 0.9, Nesterov, for diloco; 0.5 for noloco)")
   t.add_argument("--partition", choices=["iid", "dirichlet", "by_class"], default="dirichlet",
                  help="how the training set is split over the nodes")
   t.add_argument("--alpha", type=_real("a finite number > 0", 0.0, low_open=True), default=0.5,
@@ -271,17 +278,20 @@ def _build_runs(args: argparse.Namespace, backend):
   A pair the algorithm cannot run on (DecentLaM on a directed graph) is skipped with its reason.
   """
   from gossipjax.train import ALGORITHMS, RunConfig, make_algorithm, make_topology
-  from gossipjax.train._registry import MOMENTUM, NEEDS_NO_TOPOLOGY, AlgorithmOptions
+  from gossipjax.train._registry import MOMENTUM, NEEDS_NO_TOPOLOGY, OWN_TOPOLOGY, AlgorithmOptions
 
   runs = []
   for alg in args.algorithms:
-    for topo in ([None] if alg in NEEDS_NO_TOPOLOGY else args.topologies):
+    topologies = [None] if alg in NEEDS_NO_TOPOLOGY else args.topologies
+    topologies = [OWN_TOPOLOGY[alg]] if alg in OWN_TOPOLOGY else topologies
+    for topo in topologies:
       runs.append(RunConfig(algorithm=alg, topology=topo, num_nodes=args.nodes, steps=args.steps,
                             batch_size=args.batch_size, learning_rate=args.lr, beta=MOMENTUM.get(alg, args.beta),
                             partition=args.partition, alpha=args.alpha, seed=args.seed, log_every=args.log_every,
                             max_bad_steps=args.max_bad_steps, model=args.model, backend=args.backend))
   txs, skipped = [], {}
-  options = AlgorithmOptions(args.compressor, args.compress_fraction, args.consensus_step, args.average_every)
+  options = AlgorithmOptions(args.compressor, args.compress_fraction, args.consensus_step, args.average_every,
+                             args.inner_steps, args.outer_lr, args.outer_momentum)
   for c in list(runs):
     try:
       topo = make_topology(c.topology, c.num_nodes) if c.topology else None
