@@ -44,6 +44,20 @@ def check_period(value: Any, name: str, arg: str = "every") -> int | jax.Array:
   return value
 
 
+def check_finite_nonnegative(value: Any, name: str, arg: str) -> None:
+  """Raises ``ValueError`` unless the number ``arg`` is finite and >= 0 (a time, a size)."""
+  v = _concrete_scalar(value, name, arg)
+  if v is not None and not (np.isfinite(v) and v >= 0):
+    raise ValueError(f"{name}: {arg} must be a finite number >= 0, got {value!r}")
+
+
+def check_positive_int(value: Any, name: str, arg: str) -> int:
+  """``value`` as an int; ``ValueError`` unless it is a positive integer (Python or NumPy)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name}: {arg} must be a positive integer, got {value!r}")
+  return int(value)
+
+
 def check_node_axis(tree: Any, expected: int, name: str, topology_name: str, what: str = "params") -> None:
   """Raises ``ValueError`` naming both sizes when a leaf's leading axis is not ``expected``.
 

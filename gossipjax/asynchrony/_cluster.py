@@ -67,7 +67,8 @@ def cluster(
 
   Raises:
     ValueError: ``num_nodes`` is not a positive integer, a time or slowdown is not
-      positive, ``jitter`` or ``latency`` is negative, or ``bandwidth`` is not positive.
+      positive and finite, ``jitter`` or ``latency`` is negative or not finite, ``bandwidth``
+      is not positive (``inf`` is allowed), or ``slowdown`` has another length than n.
 
   Example:
     >>> import gossipjax as gj
@@ -77,11 +78,18 @@ def cluster(
   """
   if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)) or num_nodes < 1:
     raise ValueError(f"cluster: num_nodes must be a positive integer, got {num_nodes!r}")
-  factors = np.broadcast_to(np.asarray(slowdown, np.float64), (num_nodes,))
-  if not base_time > 0 or (factors <= 0).any():
-    raise ValueError("cluster: base_time and slowdowns must be positive")
-  if jitter < 0 or latency < 0 or not bandwidth > 0:
-    raise ValueError("cluster: jitter and latency must be >= 0 and bandwidth > 0")
+  factors = np.asarray(slowdown, np.float64)
+  if factors.ndim > 1 or (factors.ndim == 1 and factors.shape[0] != num_nodes):
+    raise ValueError(f"cluster: slowdown must be one number or {num_nodes} (one per node), got shape {factors.shape}")
+  factors = np.broadcast_to(factors, (num_nodes,))
+  if not (np.isfinite(base_time) and base_time > 0) or not (np.isfinite(factors) & (factors > 0)).all():
+    raise ValueError(f"cluster: base_time and every slowdown must be finite and positive, got base_time={base_time} "
+                     f"and slowdowns {factors[~(np.isfinite(factors) & (factors > 0))][:5].tolist() or 'fine'}")
+  for name, value in (("jitter", jitter), ("latency", latency)):
+    if not (np.isfinite(value) and value >= 0):
+      raise ValueError(f"cluster: {name} must be finite and >= 0, got {value}")
+  if not bandwidth > 0:
+    raise ValueError(f"cluster: bandwidth must be > 0 bytes per second (inf: free transfers), got {bandwidth}")
   dtype = jnp.zeros([]).dtype  # float64 under jax_enable_x64, else float32
   return Cluster(
       mean_time=jnp.asarray(base_time * factors, dtype),

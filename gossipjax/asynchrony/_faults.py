@@ -60,7 +60,9 @@ def faults(down: Sequence[tuple[int, float, float]] = (), loss_prob: float = 0.0
     A `Faults`, to pass to `adpsgd`, `synchronous` or `is_up`.
 
   Raises:
-    ValueError: ``loss_prob`` is outside [0, 1), or an interval ends before it starts.
+    ValueError: ``loss_prob`` is outside [0, 1), a node is not a non-negative integer, a
+      time is NaN (an ``end`` of ``inf`` is an outage for good), or an interval ends before
+      it starts.
 
   Example:
     >>> import gossipjax as gj
@@ -72,12 +74,40 @@ def faults(down: Sequence[tuple[int, float, float]] = (), loss_prob: float = 0.0
     raise ValueError(f"faults: loss_prob must be in [0, 1), got {loss_prob}")
   dtype = jnp.zeros([]).dtype
   rows = np.asarray(list(down), np.float64).reshape(-1, 3)
+  nodes = rows[:, 0]
+  bad = ~(np.isfinite(nodes) & (nodes >= 0) & (nodes == np.round(nodes)))
+  if bad.any():
+    raise ValueError(f"faults: every down interval's node must be a non-negative integer, got {nodes[bad][:5].tolist()}")
+  if np.isnan(rows[:, 1:]).any():
+    raise ValueError("faults: a down interval's start and end must be numbers, not NaN (an end of inf is for good)")
   if (rows[:, 2] < rows[:, 1]).any():
     raise ValueError("faults: every down interval needs start <= end")
   # A sentinel interval on node -1 keeps the arrays non-empty (no node matches it).
   rows = np.concatenate([rows, [[-1, 0.0, 0.0]]])
   return Faults(jnp.asarray(rows[:, 0], jnp.int32), jnp.asarray(rows[:, 1], dtype),
                 jnp.asarray(rows[:, 2], dtype), jnp.asarray(loss_prob, dtype))
+
+
+def check_fault_nodes(f: Faults | None, num_nodes: int, name: str) -> None:
+  """Raises ``ValueError`` when ``f`` puts an outage on a node that is not one of ``num_nodes``."""
+  if f is None or isinstance(f.node, jax.core.Tracer):
+    return
+  nodes = np.asarray(f.node)
+  beyond = sorted(set(nodes[nodes >= num_nodes].tolist()))
+  if beyond:
+    raise ValueError(f"{name}: the faults name node(s) {beyond[:5]}, but the cluster has {num_nodes} nodes "
+                     f"(0 to {num_nodes - 1})")
+
+
+def next_up(f: Faults, t: jax.Array, num_nodes: int) -> jax.Array:
+  """The earliest time after ``t`` at which a node that is down at ``t`` comes back (``inf``: none ever does).
+
+  A node's outages that cover ``t`` end at the latest of their ends; the earliest of those
+  over the nodes is when the first one rejoins (it may start another outage then).
+  """
+  down = (f.start <= t) & (t < f.end) & (f.node >= 0)
+  ends = jnp.full(num_nodes, -jnp.inf, f.end.dtype).at[jnp.where(down, f.node, num_nodes)].max(f.end, mode="drop")
+  return jnp.min(jnp.where(ends > t, ends, jnp.inf))
 
 
 def is_up(f: Faults, t: jax.Array, num_nodes: int) -> jax.Array:

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gossipjax._validation import check_finite_nonnegative, check_learning_rate, check_node_axis, check_positive_int
 from gossipjax.asynchrony._cluster import Cluster, compute_time, transfer_time
 from gossipjax.asynchrony._plans import column_sums, plan_table
-from gossipjax.asynchrony._simulator import LossFn, Simulator
+from gossipjax.asynchrony._simulator import LossFn, Simulator, check_sizes
 from gossipjax.data import NodeData, sample_batches
 from gossipjax.topology import as_topology
 
@@ -115,7 +116,10 @@ def sgp_bounded_staleness(
     A `Simulator`; ``run(state, num_steps)`` advances every node ``num_steps`` steps.
 
   Raises:
-    ValueError: ``tau`` is not an integer >= 0, or ``topology`` is not column stochastic.
+    ValueError: ``tau`` is not an integer >= 0, ``topology`` is not column stochastic,
+      ``data``, ``topology`` and ``cluster`` disagree on the number of nodes (``init``: the
+      params' leading axis too), or ``link_slowdown`` is not (n,) or (n, n) of finite
+      positive factors.
 
   Example:
     Links take twice a compute step; with ``tau = 2`` the nodes never wait for them:
@@ -138,18 +142,28 @@ def sgp_bounded_staleness(
     Assran, Loizou, Ballas, Rabbat (2019), Stochastic Gradient Push for Distributed Deep
     Learning, ICML.
   """
-  if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
-    raise ValueError(f"sgp_bounded_staleness: tau must be an integer >= 0, got {tau!r}")
+  name = "gj.asynchrony.sgp_bounded_staleness"
+  if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)) or tau < 0:
+    raise ValueError(f"{name}: tau must be an integer >= 0, got {tau!r}")
+  tau = int(tau)
   n, slots = cluster.num_nodes, tau + 1
   topo = as_topology(topology)
+  check_sizes(name, cluster, data, topology_nodes=topo.num_nodes)
+  check_learning_rate(learning_rate, name)
+  check_positive_int(batch_size, name, "batch_size")
+  check_finite_nonnegative(model_bytes, name, "model_bytes")
   table = plan_table(topo)
   if not np.allclose(column_sums(table), 1.0):
-    raise ValueError(f"sgp_bounded_staleness: {topo.name} is not column stochastic")
+    raise ValueError(f"{name}: {topo.name} is not column stochastic")
   period, num_rounds, _ = table.src.shape
   # Slow-link factors at the plan's edges only: [k, r, i] for the message src[k, r, i] -> i.
   slow = np.ones(table.src.shape)
   if link_slowdown is not None:
     factors = np.asarray(link_slowdown, np.float64)
+    if factors.shape not in ((n,), (n, n)):
+      raise ValueError(f"{name}: link_slowdown must be of shape ({n},) or ({n}, {n}), got {factors.shape}")
+    if not (np.isfinite(factors) & (factors > 0)).all():
+      raise ValueError(f"{name}: every link_slowdown factor must be finite and positive")
     receiver = np.broadcast_to(np.arange(n), table.src.shape)
     slow = factors[table.src] if factors.ndim == 1 else factors[receiver, table.src]
   link = transfer_time(cluster, model_bytes) * jnp.asarray(slow)
@@ -157,6 +171,7 @@ def sgp_bounded_staleness(
   grad_fn = jax.vmap(jax.grad(loss_fn))
 
   def init(params, key):
+    check_node_axis(params, n, name, f"the cluster of {n} nodes")
     dtype = jnp.result_type(*jax.tree.leaves(params))
     buf = lambda x: jnp.zeros((slots,) + x.shape, x.dtype)
     edges = (slots, num_rounds, n)

@@ -11,6 +11,7 @@ simulated, from the `Cluster` model.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -18,8 +19,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from gossipjax._validation import check_finite_nonnegative, check_learning_rate, check_node_axis, check_positive_int
 from gossipjax.asynchrony._cluster import Cluster, compute_time, transfer_time
-from gossipjax.asynchrony._faults import Faults, down_during, is_up
+from gossipjax.asynchrony._faults import Faults, check_fault_nodes, down_during, is_up, next_up
 from gossipjax.asynchrony._plans import peer_lists
 from gossipjax.data import NodeData, sample_batches
 
@@ -171,6 +173,27 @@ class _EventQueue(NamedTuple):
     return _EventQueue(winner, win, best)
 
 
+def check_sizes(name: str, cluster: Cluster, data: NodeData, *, topology_nodes: int | None = None,
+                faults: Faults | None = None) -> None:
+  """Raises ``ValueError`` unless the data, the topology and the faults are of the cluster's n nodes."""
+  n = cluster.num_nodes
+  if data.num_nodes != n:
+    raise ValueError(f"{name}: data has {data.num_nodes} nodes, cluster {n}")
+  if topology_nodes is not None and topology_nodes != n:
+    raise ValueError(f"{name}: the topology has {topology_nodes} nodes, the cluster {n}")
+  check_fault_nodes(faults, n, name)
+
+
+def _check_params(params: Any, n: int, name: str) -> None:
+  check_node_axis(params, n, name, f"the cluster of {n} nodes")
+
+
+def _stalled(name: str, clock: Any) -> None:
+  warnings.warn(f"{name}: no node can compute after simulated time {float(clock):g}: every node is down for good "
+                "(its outage ends at inf), so the run stopped there; the steps asked for beyond it did nothing",
+                RuntimeWarning, stacklevel=3)
+
+
 def _down_at(f: Faults, node: jax.Array, t: jax.Array) -> jax.Array:
   """Whether ``node`` is down at time ``t``: O(outages), where `is_up` is O(n * outages)."""
   return ((f.node == node) & (f.start <= t) & (t < f.end)).any()
@@ -240,8 +263,14 @@ def adpsgd(
   Returns:
     A `Simulator`; ``run(state, num_events)`` processes ``num_events`` events.
 
+  A node down for good (an outage that ends at ``inf``) computes no more; once every node
+  is, the remaining events do nothing (the clock stays at the last real event) and ``run``
+  warns that the run stopped there.
+
   Raises:
-    ValueError: ``data`` and ``cluster`` have different numbers of nodes.
+    ValueError: ``data``, ``topology``, ``faults`` and ``cluster`` disagree on the number of
+      nodes (``init``: the params' leading axis too), or ``learning_rate``, ``batch_size`` or
+      ``model_bytes`` is out of range.
 
   Example:
     Node 0 is ten times slower: the others do not wait for it.
@@ -262,9 +291,13 @@ def adpsgd(
     Lian, Zhang, Zhang, Liu (2018), Asynchronous Decentralized Parallel Stochastic Gradient
     Descent, ICML.
   """
+  name = "gj.asynchrony.adpsgd"
   n = cluster.num_nodes
-  if data.num_nodes != n:
-    raise ValueError(f"adpsgd: data has {data.num_nodes} nodes, cluster {n}")
+  lists = None if topology is None else peer_lists(topology)
+  check_sizes(name, cluster, data, topology_nodes=None if lists is None else len(lists[0]) - 1, faults=faults)
+  check_learning_rate(learning_rate, name)
+  check_positive_int(batch_size, name, "batch_size")
+  check_finite_nonnegative(model_bytes, name, "model_bytes")
   comm = transfer_time(cluster, model_bytes)
   grad_fn = jax.grad(loss_fn)
 
@@ -272,7 +305,7 @@ def adpsgd(
     degree = lambda i: jnp.asarray(n - 1, jnp.int32)
     peer = lambda i, k: k + (k >= i).astype(k.dtype)  # the k-th node other than i
   else:
-    indptr, indices = (jnp.asarray(a) for a in peer_lists(topology))
+    indptr, indices = (jnp.asarray(a) for a in lists)
     degree = lambda i: indptr[i + 1] - indptr[i]
     peer = lambda i, k: indices[jnp.minimum(indptr[i] + k, indices.shape[0] - 1)]
 
@@ -298,6 +331,7 @@ def adpsgd(
     return j, found
 
   def init(params, key):
+    _check_params(params, n, name)
     key, sub = jax.random.split(key)
     finish = compute_time(cluster, sub) + comm
     zero = jnp.zeros([], jnp.int32)
@@ -315,6 +349,8 @@ def adpsgd(
       exchange_ok = jnp.array(True)
     else:
       crashed, restart = down_during(faults, i, s.started[i], t)
+      # t = inf: every node is down for good, and this event does nothing (its node stays at inf).
+      crashed = crashed | jnp.isinf(t)
       exchange_ok = jax.random.uniform(k_loss) >= faults.loss_prob
     j, has_peer = draw_peer(k_peer, i, t)
     do_avg = has_peer & exchange_ok & ~crashed
@@ -337,14 +373,20 @@ def adpsgd(
     ok = (~crashed).astype(jnp.int32)
     next_finish = _set_row(s.next_finish, i, finish)
     s = AsyncState(
-        params, read, _set_row(s.started, i, start), next_finish, t,
+        params, read, _set_row(s.started, i, start), next_finish, jnp.where(jnp.isinf(t), s.clock, t),
         s.events + ok, _set_row(s.counts, i, s.counts[i] + ok), s.samples + ok * batch_size,
         s.averages + do_avg.astype(jnp.int32), s.lost + (~do_avg & ~crashed).astype(jnp.int32), key)
     return (s, queue.update(s.next_finish, i, finish)), None
 
   @functools.partial(jax.jit, static_argnums=1)
-  def run(state, num_events):
+  def run_events(state, num_events):
     return lax.scan(event, (state, _EventQueue.build(state.next_finish)), None, length=num_events)[0][0]
+
+  def run(state, num_events):
+    state = run_events(state, num_events)
+    if faults is not None and not isinstance(state.clock, jax.core.Tracer) and bool(jnp.isinf(state.next_finish).all()):
+      _stalled(name, state.clock)
+    return state
 
   return Simulator(init, run)
 
@@ -369,7 +411,10 @@ def synchronous(
   With ``faults``, down nodes skip the round (their gradient is zeroed) and ``tx.update``
   receives ``up`` (bool (n,)), ``loss_key`` and ``loss_prob`` as keyword arguments, which
   `gj.asynchrony.faulty_mix` uses to drop the lost messages (one draw per link, see
-  `gj.asynchrony.delivered_edges`) and renormalize W; other transforms ignore them.
+  `gj.asynchrony.delivered_edges`) and renormalize W; other transforms ignore them. A round
+  in which every node is down changes no model and waits until the first node comes back; once
+  every node is down for good (outages that end at ``inf``), rounds stop counting, the clock
+  stays, and ``run`` warns that the run stopped there.
 
   Args:
     loss_fn: ``loss_fn(params_of_one_node, (inputs, targets)) -> scalar``.
@@ -383,6 +428,11 @@ def synchronous(
 
   Returns:
     A `Simulator`; ``run(state, num_rounds)`` runs ``num_rounds`` rounds.
+
+  Raises:
+    ValueError: ``data``, ``faults`` and ``cluster`` disagree on the number of nodes
+      (``init``: the params' leading axis too), or ``batch_size`` or ``comm_time`` is out of
+      range.
 
   Example:
     D-PSGD on a ring, where every round waits for the node ten times slower:
@@ -405,10 +455,15 @@ def synchronous(
     Centralized Algorithms? A Case Study for Decentralized Parallel Stochastic Gradient
     Descent, NeurIPS.
   """
+  name = "gj.asynchrony.synchronous"
   n = cluster.num_nodes
+  check_sizes(name, cluster, data, faults=faults)
+  check_positive_int(batch_size, name, "batch_size")
+  check_finite_nonnegative(comm_time, name, "comm_time")
   grad_fn = jax.vmap(jax.grad(loss_fn))
 
   def init(params, key):
+    _check_params(params, n, name)
     zero = jnp.zeros([], jnp.int32)
     return SyncState(params, tx.init(params), jnp.zeros_like(cluster.latency), zero, zero, key)
 
@@ -427,11 +482,27 @@ def synchronous(
     updates, opt_state = tx.update(grads, s.opt_state, s.params, **extra)
     params = optax.apply_updates(s.params, updates)
     length = jnp.max(jnp.where(up, times, 0.0)) + comm_time
-    return SyncState(params, opt_state, s.clock + length, s.rounds + 1,
+    rounds = s.rounds + 1
+    if faults is not None:
+      # Nobody up: no model changes, and the round lasts until the first node is back (a
+      # barrier with no live node would otherwise take no time, and the clock would never move).
+      anyone = up.any()
+      params, opt_state = lax.cond(anyone, lambda: (params, opt_state), lambda: (s.params, s.opt_state))
+      back = next_up(faults, s.clock, n)
+      length = jnp.where(anyone, length, jnp.where(jnp.isinf(back), 0.0, back - s.clock))
+      rounds = jnp.where(anyone | ~jnp.isinf(back), rounds, s.rounds)
+    return SyncState(params, opt_state, s.clock + length.astype(s.clock.dtype), rounds,
                      s.samples + batch_size * up.sum().astype(jnp.int32), key), None
 
   @functools.partial(jax.jit, static_argnums=1)
-  def run(state, num_rounds):
+  def run_rounds(state, num_rounds):
     return lax.scan(round_, state, None, length=num_rounds)[0]
+
+  def run(state, num_rounds):
+    state = run_rounds(state, num_rounds)
+    if faults is not None and not isinstance(state.clock, jax.core.Tracer):
+      if not bool(is_up(faults, state.clock, n).any()) and bool(jnp.isinf(next_up(faults, state.clock, n))):
+        _stalled(name, state.clock)
+    return state
 
   return Simulator(init, run)

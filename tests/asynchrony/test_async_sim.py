@@ -414,3 +414,86 @@ def test_sgp_step_is_linear_in_n():
   in_flight = jnp.where(state.pending, state.share, 0.0) * jax.vmap(lambda w, src: w[src])(state.sent_w, state.source)
   assert float(state.w.sum() + in_flight.sum()) == pytest.approx(n)  # push-sum conserves the weight
   assert np.isfinite(ga.sgp_params(state)["w"]).all()
+
+
+def test_a_round_with_every_node_down_waits_for_the_first_to_return():
+  n = 4
+  _, _, data, loss_fn = one_sample_problem(n)
+  f = ga.faults(down=[(i, 0.0, 5.0 + i) for i in range(n)])  # all down at first; node 0 back at 5
+  tx = optax.chain(optax.scale_by_learning_rate(0.1), ga.faulty_mix(gj.topology.ring(n)))
+  sim = ga.synchronous(loss_fn, data, ga.cluster(n), tx, 1, faults=f)
+  x0 = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(n, D)))}
+  state = sim.run(sim.init(x0, jax.random.key(0)), 1)
+  assert (int(state.rounds), float(state.clock), int(state.samples)) == (1, 5.0, 0)
+  np.testing.assert_array_equal(state.params["w"], x0["w"])  # nobody computed, nobody mixed
+  state = sim.run(sim.run(state, 1), 1)  # node 0 alone, then node 0 and node 1 (back at 6)
+  assert (int(state.rounds), float(state.clock), int(state.samples)) == (3, 7.0, 3)
+
+
+@pytest.mark.parametrize("method", ["adpsgd", "synchronous"])
+def test_a_run_in_which_no_node_can_ever_compute_stops_and_says_so(method):
+  n = 4
+  _, _, data, loss_fn = one_sample_problem(n)
+  f = ga.faults(down=[(i, 0.5, float("inf")) for i in range(n)])  # every node down for good at 0.5
+  if method == "adpsgd":
+    sim = ga.adpsgd(loss_fn, data, ga.cluster(n), learning_rate=0.1, batch_size=1, faults=f)
+  else:
+    tx = optax.chain(optax.scale_by_learning_rate(0.1), ga.faulty_mix(gj.topology.ring(n)))
+    sim = ga.synchronous(loss_fn, data, ga.cluster(n), tx, 1, faults=f)
+  state = sim.init(stacked(n, 1.0), jax.random.key(0))
+  with pytest.warns(RuntimeWarning, match=r"no node can compute after simulated time 1: every node is down for good"):
+    state = sim.run(state, 40)
+  if method == "adpsgd":  # each node's first gradient overlapped its outage: lost
+    assert (int(state.events), float(state.clock)) == (0, 1.0)
+  else:  # one round (0 to 1, every node up at its start), then nothing
+    assert (int(state.rounds), float(state.clock), int(state.samples)) == (1, 1.0, n)
+  assert np.isfinite(state.params["w"]).all()
+
+
+def test_simulators_check_node_counts_against_each_other():
+  _, _, data4, loss_fn = one_sample_problem(4)
+  tx = optax.chain(optax.scale_by_learning_rate(0.1), ga.faulty_mix(gj.topology.ring(4)))
+  adpsgd = lambda data, c, **kw: ga.adpsgd(loss_fn, data, c, learning_rate=0.1, batch_size=1, **kw)
+  sync = lambda data, c, **kw: ga.synchronous(loss_fn, data, c, tx, 1, **kw)
+  sgp = lambda data, c, topo: ga.sgp_bounded_staleness(loss_fn, data, c, topo, learning_rate=0.1, batch_size=1)
+  for build in (adpsgd, sync):
+    with pytest.raises(ValueError, match="data has 4 nodes, cluster 8"):
+      build(data4, ga.cluster(8))
+    with pytest.raises(ValueError, match=r"the faults name node\(s\) \[7\], but the cluster has 4 nodes"):
+      build(data4, ga.cluster(4), faults=ga.faults(down=[(7, 0.0, 1.0)]))
+  with pytest.raises(ValueError, match="adpsgd: the topology has 8 nodes, the cluster 4"):
+    adpsgd(data4, ga.cluster(4), topology=gj.topology.ring(8))
+  with pytest.raises(ValueError, match="sgp_bounded_staleness: the topology has 8 nodes, the cluster 4"):
+    sgp(data4, ga.cluster(4), gj.topology.one_peer_directed_exponential(8))
+  for sim in (adpsgd(data4, ga.cluster(4)), sync(data4, ga.cluster(4)),
+              sgp(data4, ga.cluster(4), gj.topology.one_peer_directed_exponential(4))):
+    for rows in (3, 6):
+      with pytest.raises(ValueError, match=rf"params\['w'\] has a leading node axis of {rows}, but the cluster of 4"):
+        sim.init(stacked(rows), jax.random.key(0))
+
+
+def test_timings_must_be_finite_and_non_negative():
+  nan, inf = float("nan"), float("inf")
+  for kwargs, message in (({"jitter": nan}, "jitter must be finite"), ({"latency": inf}, "latency must be finite"),
+                          ({"base_time": nan}, "base_time and every slowdown must be finite and positive"),
+                          ({"slowdown": [1.0, nan, 1.0, 1.0]}, "every slowdown must be finite"),
+                          ({"slowdown": [1.0, 2.0]}, r"slowdown must be one number or 4 \(one per node\)"),
+                          ({"bandwidth": nan}, "bandwidth must be > 0")):
+    with pytest.raises(ValueError, match=message):
+      ga.cluster(4, **kwargs)
+  with pytest.raises(ValueError, match="not NaN"):
+    ga.faults(down=[(1, 0.0, nan)])
+  with pytest.raises(ValueError, match=r"node must be a non-negative integer, got \[2.5\]"):
+    ga.faults(down=[(2.5, 0.0, 1.0)])
+  _, _, data, loss_fn = one_sample_problem(4)
+  tx = optax.scale_by_learning_rate(0.1)
+  with pytest.raises(ValueError, match="comm_time must be a finite number >= 0"):
+    ga.synchronous(loss_fn, data, ga.cluster(4), tx, 1, comm_time=nan)
+  with pytest.raises(ValueError, match="model_bytes must be a finite number >= 0"):
+    ga.adpsgd(loss_fn, data, ga.cluster(4), learning_rate=0.1, batch_size=1, model_bytes=-1.0)
+  with pytest.raises(ValueError, match="link_slowdown factor must be finite and positive"):
+    ga.sgp_bounded_staleness(loss_fn, data, ga.cluster(4), gj.topology.one_peer_directed_exponential(4),
+                             learning_rate=0.1, batch_size=1, link_slowdown=[1.0, inf, 1.0, 1.0])
+  sim = ga.sgp_bounded_staleness(loss_fn, data, ga.cluster(4), gj.topology.one_peer_directed_exponential(4),
+                                 learning_rate=0.1, batch_size=1, tau=np.int64(2))  # a NumPy integer is an integer
+  assert int(sim.run(sim.init(stacked(4), jax.random.key(0)), 1).step) == 1
