@@ -81,6 +81,8 @@ def load_cifar10(data_dir: str) -> Dataset:
 
   Raises:
     FileNotFoundError: ``data_dir`` holds no training batch or no ``test_batch``.
+    ValueError: a batch is not in that format (no ``b"data"`` of rows of 3,072 bytes, or
+      another number of labels than images, or a label outside 0-9); the message names the file.
 
   Example:
     Two blank images in the same format stand in for the real files here:
@@ -102,10 +104,17 @@ def load_cifar10(data_dir: str) -> Dataset:
   """
   def read(name):
     path = os.path.join(data_dir, name)
-    with open(path, "rb") as f:
-      d = pickle.load(f, encoding="bytes")
-    x = np.asarray(d[b"data"], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-    return x.astype(np.float32) / 255.0, np.asarray(d[b"labels"], np.int32)
+    try:
+      with open(path, "rb") as f:
+        d = pickle.load(f, encoding="bytes")
+      raw, labels = np.asarray(d[b"data"], np.uint8), np.asarray(d[b"labels"], np.int64)
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"gj.data.load_cifar10: {path} is not a CIFAR-10 batch ({type(e).__name__}: {e})") from None
+    if raw.ndim != 2 or raw.shape[1] != 3072:
+      raise ValueError(f"gj.data.load_cifar10: {path} holds data of shape {raw.shape}, not rows of 3072 bytes")
+    _check_labels(path, len(raw), labels, "gj.data.load_cifar10")
+    x = raw.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return x.astype(np.float32) / 255.0, labels.astype(np.int32)
 
   train_files = sorted(f for f in os.listdir(data_dir) if f.startswith("data_batch_"))
   if not train_files or not os.path.exists(os.path.join(data_dir, "test_batch")):
@@ -131,6 +140,9 @@ def load_mnist(data_dir: str) -> Dataset:
 
   Raises:
     FileNotFoundError: one of the four files is missing.
+    ValueError: a file is not an IDX file of unsigned bytes of the sizes its header gives
+      (a truncated download, say), images are not 28 x 28, a split has another number of
+      labels than images, or a label is outside 0-9; the message names the file.
 
   Example:
     Two blank images in the IDX format stand in for the real files here:
@@ -155,19 +167,49 @@ def load_mnist(data_dir: str) -> Dataset:
     LeCun, Bottou, Bengio, Haffner (1998), Gradient-Based Learning Applied to Document
     Recognition, Proceedings of the IEEE.
   """
-  def read_idx(stem):
+  def read_idx(stem, ndim):
     for name in (stem, stem + ".gz"):
       path = os.path.join(data_dir, name)
       if os.path.exists(path):
-        with (gzip.open if name.endswith(".gz") else open)(path, "rb") as f:
-          raw = f.read()
-        ndim = raw[3]
-        dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-        return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(dims)
+        try:
+          with (gzip.open if name.endswith(".gz") else open)(path, "rb") as f:
+            raw = f.read()
+        except (OSError, EOFError) as e:  # a damaged gzip stream
+          raise ValueError(f"gj.data.load_mnist: {path} cannot be read: {e}") from None
+        return path, _idx_array(path, raw, ndim)
     raise FileNotFoundError(f"{stem}[.gz] not found in {data_dir}")
 
-  x_train = read_idx("train-images-idx3-ubyte").astype(np.float32)[..., None] / 255.0
-  x_test = read_idx("t10k-images-idx3-ubyte").astype(np.float32)[..., None] / 255.0
-  y_train = read_idx("train-labels-idx1-ubyte").astype(np.int32)
-  y_test = read_idx("t10k-labels-idx1-ubyte").astype(np.int32)
-  return Dataset(x_train, y_train, x_test, y_test, 10)
+  splits = []
+  for split in ("train", "t10k"):
+    images_path, images = read_idx(f"{split}-images-idx3-ubyte", 3)
+    labels_path, labels = read_idx(f"{split}-labels-idx1-ubyte", 1)
+    if images.shape[1:] != (28, 28):
+      raise ValueError(f"gj.data.load_mnist: {images_path} holds images of {images.shape[1:]}, not 28 x 28")
+    if len(labels) != len(images):
+      raise ValueError(f"gj.data.load_mnist: {images_path} holds {len(images)} images but {labels_path} "
+                       f"{len(labels)} labels")
+    _check_labels(labels_path, len(images), labels, "gj.data.load_mnist")
+    splits += [images.astype(np.float32)[..., None] / 255.0, labels.astype(np.int32)]
+  return Dataset(*splits, 10)
+
+
+def _idx_array(path: str, raw: bytes, ndim: int) -> np.ndarray:
+  """The array of an IDX file of unsigned bytes with ``ndim`` dimensions; ``ValueError`` naming ``path`` otherwise."""
+  if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 8 or raw[3] != ndim:
+    raise ValueError(f"gj.data.load_mnist: {path} is not an IDX file of unsigned bytes with {ndim} dimension(s) "
+                     f"(its header starts {raw[:4].hex() or 'empty'})")
+  if len(raw) < 4 + 4 * ndim:
+    raise ValueError(f"gj.data.load_mnist: {path} is truncated: {len(raw)} bytes end inside its header")
+  dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+  want, got = int(np.prod(dims)), len(raw) - 4 - 4 * ndim
+  if got != want:
+    raise ValueError(f"gj.data.load_mnist: {path} holds {got} bytes of data, but its header gives {dims} "
+                     f"({want} bytes){': truncated' if got < want else ''}")
+  return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def _check_labels(path: str, count: int, labels: np.ndarray, name: str) -> None:
+  if labels.ndim != 1 or len(labels) != count:
+    raise ValueError(f"{name}: {path} holds {count} images but {labels.size} labels")
+  if len(labels) and (labels.min() < 0 or labels.max() > 9):
+    raise ValueError(f"{name}: {path} holds labels outside 0-9 (from {labels.min()} to {labels.max()})")

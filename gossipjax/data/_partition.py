@@ -19,6 +19,20 @@ def _check(labels: np.ndarray, num_nodes: int, name: str) -> np.ndarray:
   return labels
 
 
+def _class_labels(labels: np.ndarray, name: str) -> np.ndarray:
+  """The labels as int64 class ids; ``ValueError`` for NaN, fractional, string or other non-integer labels."""
+  if labels.dtype.kind in "iub":
+    return labels.astype(np.int64)
+  if labels.dtype.kind == "f":
+    bad = ~np.isfinite(labels) | (labels != np.round(labels))
+    if bad.any():
+      raise ValueError(f"{name}: labels must be integer class ids, got {labels[bad][:5].tolist()} "
+                       f"({int(bad.sum())} such labels); drop or relabel those samples first")
+    return labels.astype(np.int64)
+  raise ValueError(f"{name}: labels must be integer class ids, got an array of {labels.dtype} "
+                   "(map the classes to 0 .. C - 1 first, e.g. with np.unique(labels, return_inverse=True))")
+
+
 def _finish(parts: Sequence[np.ndarray], how: str) -> list[np.ndarray]:
   empty = [i for i, p in enumerate(parts) if len(p) == 0]
   if empty:
@@ -58,12 +72,13 @@ def partition_dirichlet(labels: np.ndarray, num_nodes: int, alpha: float, seed: 
   """Label skew: each class is split over nodes in proportions drawn from Dirichlet(alpha).
 
   Small ``alpha`` (0.1) gives nodes that see mostly one or two classes; large ``alpha``
-  (100) approaches iid. Every node is guaranteed at least one sample.
+  (100) approaches iid, and ``alpha = inf`` is that limit: each class is split evenly over
+  the nodes. Every node is guaranteed at least one sample.
 
   Args:
-    labels: (N,) integer class labels.
+    labels: (N,) integer class labels (integer-valued floats are accepted).
     num_nodes: how many nodes to split over; at most N.
-    alpha: Dirichlet concentration, > 0.
+    alpha: Dirichlet concentration, > 0 (``inf``: an even split of every class).
     seed: seed of the shuffles and of the Dirichlet draws.
 
   Returns:
@@ -71,8 +86,8 @@ def partition_dirichlet(labels: np.ndarray, num_nodes: int, alpha: float, seed: 
     it, none empty.
 
   Raises:
-    ValueError: ``alpha`` is not positive, ``labels`` is not 1-D, or ``num_nodes`` is not
-      a positive integer up to N.
+    ValueError: ``alpha`` is not positive, ``labels`` is not 1-D or holds a NaN or another
+      non-integer label, or ``num_nodes`` is not a positive integer up to N.
 
   Example:
     The number of classes each of 4 nodes sees, 10 classes of 20 samples:
@@ -91,14 +106,15 @@ def partition_dirichlet(labels: np.ndarray, num_nodes: int, alpha: float, seed: 
     Hsu, Qi, Brown (2019), Measuring the Effects of Non-Identical Data Distribution for
     Federated Visual Classification, arXiv:1909.06335.
   """
-  labels = _check(labels, num_nodes, "gj.data.partition_dirichlet")
+  labels = _class_labels(_check(labels, num_nodes, "gj.data.partition_dirichlet"), "gj.data.partition_dirichlet")
   if not alpha > 0:
     raise ValueError(f"gj.data.partition_dirichlet: alpha must be > 0, got {alpha}")
   rng = np.random.default_rng(seed)
   samples, owners = [], []
   for c in np.unique(labels):
     idx = rng.permutation(np.flatnonzero(labels == c))
-    props = rng.dirichlet(np.full(num_nodes, alpha))
+    # Dirichlet(alpha) tends to equal shares as alpha grows; NumPy cannot draw at inf itself.
+    props = np.full(num_nodes, 1.0 / num_nodes) if np.isinf(alpha) else rng.dirichlet(np.full(num_nodes, alpha))
     cuts = (np.cumsum(props)[:-1] * len(idx)).astype(int)
     samples.append(idx)
     owners.append(np.searchsorted(cuts, np.arange(len(idx)), side="right"))  # the chunk of np.split(idx, cuts)
@@ -131,7 +147,7 @@ def partition_by_class(labels: np.ndarray, num_nodes: int, classes_per_node: int
   ``seed``); the samples of a class are split evenly among the nodes holding it.
 
   Args:
-    labels: (N,) integer class labels.
+    labels: (N,) integer class labels (integer-valued floats are accepted).
     num_nodes: how many nodes to split over; at most N.
     classes_per_node: how many classes each node holds, from 1 to the number of classes.
     seed: seed of the class order.
@@ -142,7 +158,8 @@ def partition_by_class(labels: np.ndarray, num_nodes: int, classes_per_node: int
 
   Raises:
     ValueError: ``classes_per_node`` is out of range, a node is left with no sample,
-      ``labels`` is not 1-D, or ``num_nodes`` is not a positive integer up to N.
+      ``labels`` is not 1-D or holds a NaN or another non-integer label, or ``num_nodes``
+      is not a positive integer up to N.
 
   Example:
     >>> import numpy as np, gossipjax as gj
@@ -155,7 +172,7 @@ def partition_by_class(labels: np.ndarray, num_nodes: int, classes_per_node: int
     McMahan, Moore, Ramage, Hampson, Agüera y Arcas (2017), Communication-Efficient Learning
     of Deep Networks from Decentralized Data, AISTATS (its pathological non-IID split).
   """
-  labels = _check(labels, num_nodes, "gj.data.partition_by_class")
+  labels = _class_labels(_check(labels, num_nodes, "gj.data.partition_by_class"), "gj.data.partition_by_class")
   classes = np.random.default_rng(seed).permutation(np.unique(labels))
   if not 1 <= classes_per_node <= len(classes):
     raise ValueError(f"gj.data.partition_by_class: classes_per_node must be in [1, {len(classes)}], got {classes_per_node}")

@@ -45,7 +45,8 @@ def node_data(inputs: Any, targets: Any, parts: Sequence[np.ndarray]) -> NodeDat
     longest one's length.
 
   Raises:
-    ValueError: a part is empty.
+    ValueError: a part is empty, an index is not an integer or lies outside ``[0, N)``, or
+      ``inputs`` and ``targets`` have different numbers of samples.
 
   Example:
     >>> import numpy as np, gossipjax as gj
@@ -53,9 +54,22 @@ def node_data(inputs: Any, targets: Any, parts: Sequence[np.ndarray]) -> NodeDat
     >>> data.index.tolist(), data.sizes.tolist(), data.num_nodes
     ([[0, 1, 2], [3, 4, 3]], [3, 2], 2)
   """
+  num_samples = np.shape(inputs)[0] if np.ndim(inputs) else None
+  if num_samples is None or np.ndim(targets) == 0 or np.shape(targets)[0] != num_samples:
+    raise ValueError(f"gj.data.node_data: inputs and targets need the same leading sample axis, got shapes "
+                     f"{np.shape(inputs)} and {np.shape(targets)}")
   sizes = np.array([len(p) for p in parts])
   if (sizes == 0).any():
-    raise ValueError(f"node(s) {np.flatnonzero(sizes == 0)[:10].tolist()} have no data")
+    raise ValueError(f"gj.data.node_data: node(s) {np.flatnonzero(sizes == 0)[:10].tolist()} have no data")
+  for node, p in enumerate(parts):
+    p = np.asarray(p)
+    if p.ndim != 1 or p.dtype.kind not in "iu":
+      raise ValueError(f"gj.data.node_data: node {node}'s indices must be a 1-D integer array, got {p.dtype} of "
+                       f"shape {p.shape}")
+    outside = p[(p < 0) | (p >= num_samples)]
+    if outside.size:
+      raise ValueError(f"gj.data.node_data: node {node} has indices outside [0, {num_samples}): "
+                       f"{outside[:5].tolist()}")
   width = int(sizes.max())
   index = np.stack([np.resize(np.asarray(p), width) for p in parts])
   return NodeData(jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(index, jnp.int32), jnp.asarray(sizes, jnp.int32))

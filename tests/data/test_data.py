@@ -133,3 +133,61 @@ def test_load_mnist_reads_idx_files(tmp_path):
   ds = D.load_mnist(str(tmp_path))
   assert ds.x_train.shape == (5, 28, 28, 1) and ds.y_test.tolist() == [0, 1]
   np.testing.assert_allclose(ds.x_train[..., 0], imgs / 255.0, rtol=1e-6)
+
+
+def test_node_data_checks_the_indices():
+  x, y = np.zeros((5, 2)), np.arange(5)
+  for parts, message in (([np.array([0, 5]), np.array([1])], r"node 0 has indices outside \[0, 5\): \[5\]"),
+                         ([np.array([0]), np.array([-1, 2])], r"node 1 has indices outside \[0, 5\): \[-1\]"),
+                         ([np.array([0.0, 1.7]), np.array([2])], "node 0's indices must be a 1-D integer array")):
+    with pytest.raises(ValueError, match=message):
+      D.node_data(x, y, parts)
+  with pytest.raises(ValueError, match=r"same leading sample axis, got shapes \(5, 2\) and \(4,\)"):
+    D.node_data(x, y[:4], [np.array([0])])
+
+
+def _write_idx(path, arr):
+  header = bytes([0, 0, 8, arr.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
+  path.write_bytes(header + arr.astype(np.uint8).tobytes())
+
+
+def test_load_mnist_checks_counts_and_names_the_file(tmp_path):
+  for split, n in (("train", 20), ("t10k", 4)):
+    _write_idx(tmp_path / f"{split}-images-idx3-ubyte", np.zeros((n, 28, 28)))
+    _write_idx(tmp_path / f"{split}-labels-idx1-ubyte", np.zeros(n))
+  _write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(15))
+  with pytest.raises(ValueError, match=r"train-images-idx3-ubyte holds 20 images but .*train-labels-idx1-ubyte 15"):
+    D.load_mnist(str(tmp_path))
+  _write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(20))
+  images = tmp_path / "t10k-images-idx3-ubyte"
+  images.write_bytes(images.read_bytes()[:-100])  # a short download
+  with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte holds 3036 bytes of data, but .* \(3136 bytes\): trunc"):
+    D.load_mnist(str(tmp_path))
+
+
+def test_load_cifar10_checks_counts_and_names_the_file(tmp_path):
+  for name in ("data_batch_1", "test_batch"):
+    with open(tmp_path / name, "wb") as f:
+      pickle.dump({b"data": np.zeros((3, 3072), np.uint8), b"labels": [1, 2] if name == "test_batch" else [0, 1, 2]}, f)
+  with pytest.raises(ValueError, match="test_batch holds 3 images but 2 labels"):
+    D.load_cifar10(str(tmp_path))
+
+
+@pytest.mark.parametrize("partition", [D.partition_dirichlet, D.partition_by_class])
+def test_partitions_refuse_nan_and_non_integer_labels(partition):
+  part = lambda labels: partition(labels, 4, 0.5) if partition is D.partition_dirichlet else partition(labels, 4, 1)
+  with_nan = LABELS.astype(float)
+  with_nan[7] = np.nan
+  for labels, message in ((with_nan, r"labels must be integer class ids, got \[nan\]"),
+                          (LABELS + 0.5, r"got \[0.5, 0.5"), (LABELS.astype(str), "got an array of <U")):
+    with pytest.raises(ValueError, match=message):
+      part(labels)
+  assert [len(p) for p in part(LABELS.astype(float))] == [len(p) for p in part(LABELS)]  # 3.0 is class 3
+
+
+def test_dirichlet_at_infinite_alpha_is_an_even_split_of_every_class():
+  parts = D.partition_dirichlet(LABELS, 5, float("inf"), seed=0)
+  assert [len(p) for p in parts] == [60] * 5
+  assert all((np.bincount(LABELS[p], minlength=10) == 6).all() for p in parts)
+  with pytest.raises(ValueError, match="alpha must be > 0"):
+    D.partition_dirichlet(LABELS, 4, float("nan"))
