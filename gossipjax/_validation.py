@@ -100,10 +100,17 @@ def _concrete_scalar(value: Any, name: str, what: str) -> float | None:
 def check_learning_rate(learning_rate: Any, name: str) -> None:
   """Raises unless ``learning_rate`` is a finite, non-negative number or a schedule (a callable).
 
-  A schedule's values are not checked here (that would call it); a traced value (a
-  hyperparameter injected under ``jit``) is accepted as it is.
+  A schedule is traced once on an abstract step count (``jax.eval_shape``, nothing runs):
+  one that returns an array of shape (3,) or (n, 1) would broadcast into a per-coordinate or
+  per-node rate, so it is refused. Its values are not checked; a traced value (a
+  hyperparameter injected under ``jit``) is accepted when it is a scalar.
   """
   if callable(learning_rate):
+    _check_schedule_shape(learning_rate, name)
+    return
+  if isinstance(learning_rate, jax.core.Tracer):
+    if np.ndim(learning_rate):
+      raise TypeError(f"{name}: learning_rate must be a scalar, got a traced array of shape {np.shape(learning_rate)}")
     return
   if isinstance(learning_rate, bool) or not isinstance(
       learning_rate, (int, float, np.integer, np.floating, np.ndarray, jax.Array, jax.core.Tracer)):
@@ -114,6 +121,18 @@ def check_learning_rate(learning_rate: Any, name: str) -> None:
     raise ValueError(f"{name}: learning_rate must be finite, got {lr}")
   if lr is not None and lr < 0:
     raise ValueError(f"{name}: learning_rate must be non-negative, got {lr} (a negative rate ascends the loss)")
+
+
+def _check_schedule_shape(schedule: Any, name: str) -> None:
+  try:
+    out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
+  except Exception:  # a schedule that cannot be traced on its own fails where it is used, with its own error
+    return
+  shapes = [np.shape(x) for x in jax.tree.leaves(out)]
+  if shapes != [()]:
+    got = f"an array of shape {shapes[0]}" if len(shapes) == 1 else f"{len(shapes)} values"
+    raise ValueError(f"{name}: learning_rate is a schedule that returns {got}; it must return one number per step "
+                     "(an array would be broadcast into a per-coordinate or per-node rate)")
 
 
 def check_momentum(beta: Any, name: str) -> None:

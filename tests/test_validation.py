@@ -34,6 +34,27 @@ def test_bad_learning_rates_raise(name, lr, error, match):
   assert f"gj.{name}" in str(e.value)
 
 
+EVERY_LEARNING_RATE = {
+    **CORE,
+    "qg_dmsgd": lambda **kw: gj.qg_dmsgd(RING, **kw),
+    "gradient_tracking": lambda **kw: gj.gradient_tracking(RING, **kw),
+    "exact_diffusion": lambda **kw: gj.exact_diffusion(RING, **kw),
+    "extra": lambda **kw: gj.extra(RING, **kw),
+    "sgp": lambda **kw: gj.sgp(RING, **kw),
+    "choco_sgd": lambda **kw: gj.choco_sgd(RING, gj.compress.sign(), consensus_step=0.5, **kw),
+    "easgd": lambda **kw: gj.easgd(**kw),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_LEARNING_RATE))
+@pytest.mark.parametrize("shape", [(3,), (8, 1)])
+def test_a_schedule_that_returns_an_array_is_refused(name, shape):
+  with pytest.raises(ValueError, match=rf"gj.{name}: learning_rate is a schedule that returns an array of shape "
+                                       rf"\({shape[0]},(?: {shape[-1]})?\); it must return one number per step"):
+    EVERY_LEARNING_RATE[name](learning_rate=lambda count: jnp.full(shape, 0.1))
+  EVERY_LEARNING_RATE[name](learning_rate=lambda count: 0.1 * 0.9 ** count)  # a scalar schedule is fine
+
+
 @pytest.mark.parametrize("name", sorted(CORE))
 @pytest.mark.parametrize("beta", [1.0, -0.1, float("nan"), 1.5])
 def test_bad_momentum_raises(name, beta):
