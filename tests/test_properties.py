@@ -220,7 +220,7 @@ def test_top_k_is_a_contraction_and_its_bits_are_counted(fraction, x):
   np.testing.assert_array_equal(y[y != 0], x[y != 0])  # kept entries are sent exactly
   assert float(jnp.sum((y - x) ** 2)) <= (1 - k / d) * float(jnp.sum(x * x)) * (1 + 1e-12) + 1e-30
   value_bits = x.dtype.itemsize * 8
-  index_bits = max(1, math.ceil(math.log2(d))) if d > 1 else 1
+  index_bits = 8 * (1 if d <= 256 else 2 if d <= 65536 else 4)  # the smallest unsigned int that addresses d
   assert float(comp.bits(x)) == min(k * (value_bits + index_bits), d * value_bits)
   assert float(comp.bits(x)) <= float(C.identity().bits(x)) == d * value_bits
 

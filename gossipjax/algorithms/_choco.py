@@ -99,8 +99,8 @@ def choco_sgd(
     >>> tx = gj.choco_sgd(gj.topology.ring(4), gj.compress.sign(), learning_rate=0.1, consensus_step=0.5)
     >>> x = jnp.ones((4, 10), jnp.float32)
     >>> u, state = tx.update(jnp.zeros_like(x), tx.init(x), x)
-    >>> state.message_bits.tolist()  # 10 sign bits and a 32-bit scale per node
-    [42.0, 42.0, 42.0, 42.0]
+    >>> state.message_bits.tolist()  # 10 sign bits packed in 2 bytes and a 32-bit scale per node
+    [48.0, 48.0, 48.0, 48.0]
 
   References:
     Koloskova, Stich, Jaggi (2019), Decentralized Stochastic Optimization and Gossip

@@ -70,6 +70,7 @@ class ShardedMixer:
   plans: tuple[BlockPlan, ...]
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
   table: StepTable | None = None
+  _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
   @property
   def local_nodes(self) -> int:
@@ -91,11 +92,19 @@ class ShardedMixer:
 
     specs = jax.tree.map(lambda _: P(axis), tree)
     tree = conform(tree, self.mesh, specs)
-    if len(plans) == 1 or isinstance(step, (int, np.integer)):
-      fn = lambda t: body(t, step)
-      return jax.shard_map(fn, mesh=self.mesh, in_specs=(specs,), out_specs=specs)(tree)
-    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P()), out_specs=specs)
-    return fn(tree, jnp.asarray(step))
+    static = len(plans) == 1 or isinstance(step, (int, np.integer))
+    # One jitted program per tree structure (and static step): called eagerly, the mixing
+    # then compiles once, not op by op on every call; under an outer jit it is inlined.
+    fixed = (0 if len(plans) == 1 else int(step) % len(plans)) if static else None
+    key = (jax.tree.structure(tree), fixed)
+    fn = self._compiled.get(key)
+    if fn is None:
+      if static:
+        fn = jax.jit(jax.shard_map(lambda t: body(t, fixed), mesh=self.mesh, in_specs=(specs,), out_specs=specs))
+      else:
+        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P()), out_specs=specs))
+      self._compiled[key] = fn
+    return fn(tree) if static else fn(tree, jnp.asarray(step))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
