@@ -80,6 +80,23 @@ def require_static(topology: Any, name: str) -> None:
                      "gj.gradient_tracking converges exactly on time-varying graphs")
 
 
+def require_symmetric(topology: Any, name: str, method: str) -> None:
+  """Raises for a directed W where a primal-dual correction is only stable for symmetric W.
+
+  EXTRA and exact diffusion accumulate ``(W - W~) x`` as a dual correction, ``W~ = (I + W) / 2``;
+  their analysis needs W symmetric (real eigenvalues in (-1, 1], so that ``W~`` is positive
+  definite), and on a directed doubly stochastic W, such as the static exponential graph, the
+  correction can grow without bound.
+  """
+  if topology.is_symmetric():
+    return
+  raise ValueError(
+      f"{name}: needs a symmetric W, but {topology.name} is directed: {method}'s correction is only analysed, "
+      "and only stable in general, for symmetric W (on a directed W such as the static exponential graph it "
+      "diverges). Use an undirected topology (ring, torus, hypercube, exponential(n, symmetric=True), "
+      "metropolis weights), or gj.gradient_tracking, which converges exactly on directed and time-varying graphs")
+
+
 def require_params(params: Any, name: str) -> None:
   """Raises when a transform that reads the params is called without them."""
   if params is None:

@@ -164,3 +164,13 @@ def test_momentum_methods_share_their_signature_and_default():
 def test_errors_start_with_the_public_name(make, match):
   with pytest.raises(ValueError, match=match):
     make()
+
+
+@pytest.mark.parametrize("make", [gj.exact_diffusion, gj.extra], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("topology", [T.exponential(8), T.one_peer_directed_exponential(8).matrices[0]],
+                         ids=["exponential", "directed_matrix"])
+def test_exact_methods_refuse_a_directed_w(make, topology):
+  with pytest.raises(ValueError, match=rf"^gj\.{make.__name__}: needs a symmetric W, but .* is directed.*"
+                                       r"exponential\(n, symmetric=True\).*gj\.gradient_tracking"):
+    make(topology, learning_rate=0.01)
+  make(T.exponential(8, symmetric=True), learning_rate=0.01)

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax._validation import check_learning_rate, check_node_axis, require_params, require_static
+from gossipjax._validation import (check_learning_rate, check_node_axis, require_params, require_static,
+                                   require_symmetric)
 from gossipjax.algorithms._common import learning_rate_at
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 
@@ -48,9 +49,9 @@ def exact_diffusion(
   ``\bar W`` is applied as ``(phi + W phi) / 2``, one gossip round per step.
 
   Args:
-    topology: a static doubly stochastic W (the theory asks for symmetric W; ``\bar W``
-      then has eigenvalues in (0, 1]). Time-varying W is refused: the correction assumes
-      the same W at every step (use ``gj.gradient_tracking``).
+    topology: a static symmetric doubly stochastic W (``\bar W`` then has eigenvalues in
+      (0, 1]). Time-varying W is refused: the correction assumes the same W at every step;
+      directed W too: there the correction can diverge (use ``gj.gradient_tracking``).
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
 
@@ -59,7 +60,7 @@ def exact_diffusion(
     state is an `ExactDiffusionState`.
 
   Raises:
-    ValueError: the topology is time-varying.
+    ValueError: the topology is time-varying or directed.
 
   Example:
     Heterogeneous quadratics ``f_i(x) = (x - b_i)^2 / 2`` on a ring of 4: with full-batch
@@ -87,6 +88,7 @@ def exact_diffusion(
   check_learning_rate(learning_rate, "gj.exact_diffusion")
   mixer = make_mixer(topology, backend)
   require_static(mixer.topology, "gj.exact_diffusion")
+  require_symmetric(mixer.topology, "gj.exact_diffusion", "exact diffusion")
 
   def init_fn(params):
     # A copy, not a view: a jitted step that donates both params and state needs distinct buffers.

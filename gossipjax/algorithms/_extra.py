@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax._validation import check_learning_rate, check_node_axis, require_params, require_static
+from gossipjax._validation import (check_learning_rate, check_node_axis, require_params, require_static,
+                                   require_symmetric)
 from gossipjax.algorithms._common import learning_rate_at
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 
@@ -52,8 +53,8 @@ def extra(
   Shi et al.'s ``\tilde W = (I + W) / 2`` is stable for every symmetric doubly stochastic W.
 
   Args:
-    topology: a static doubly stochastic W (symmetric in the paper's theory).
-      Time-varying W is refused (use ``gj.gradient_tracking``).
+    topology: a static symmetric doubly stochastic W. Time-varying and directed W are
+      refused (use ``gj.gradient_tracking``): on a directed W the correction can diverge.
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
 
@@ -62,7 +63,7 @@ def extra(
     state is an `ExtraState`.
 
   Raises:
-    ValueError: the topology is time-varying.
+    ValueError: the topology is time-varying or directed.
 
   Example:
     Heterogeneous quadratics ``f_i(x) = (x - b_i)^2 / 2`` on a ring of 4: with full-batch
@@ -90,6 +91,7 @@ def extra(
   check_learning_rate(learning_rate, "gj.extra")
   mixer = make_mixer(topology, backend)
   require_static(mixer.topology, "gj.extra")
+  require_symmetric(mixer.topology, "gj.extra", "EXTRA")
 
   def init_fn(params):
     # A copy, not a view: a jitted step that donates both params and state needs distinct buffers.

@@ -121,7 +121,7 @@ def test_extra_is_shi_et_al():
 
 
 def test_extra_with_schedule_uses_each_steps_rate():
-  topo = T.exponential(N)
+  topo = T.exponential(N, symmetric=True)
   sched = optax.piecewise_constant_schedule(0.1, {5: 0.5})
   lr = lambda k: float(sched(jnp.asarray(k, jnp.int32)))
   w = topo.matrix()

@@ -138,6 +138,17 @@ def test_every_algorithm_and_the_cnn_run_without_checkpoints_by_default(tmp_path
   assert not (tmp_path / "checkpoints").exists()  # checkpoints are opt-in
 
 
+def test_exact_methods_skip_a_directed_graph_saying_why():
+  import gossipjax as gj
+
+  args = cli.build_parser().parse_args(["train", "--nodes", "8", "--algorithms", "exact_diffusion,extra,dpsgd",
+                                        "--topologies", "exponential"])
+  runs, _, skipped = cli._build_runs(args, gj.backend.simulate())
+  assert [r.name for r in runs] == ["dpsgd/exponential"]
+  assert set(skipped) == {"exact_diffusion/exponential", "extra/exponential"}
+  assert all("needs a symmetric W" in why and "gj.gradient_tracking" in why for why in skipped.values())
+
+
 def test_plot_legend_gives_each_algorithm_its_real_momentum():
   from gossipjax.train._report import _label
 
