@@ -73,6 +73,20 @@ def check_node_axis(tree: Any, expected: int, name: str, topology_name: str, wha
       )
 
 
+def require_node_axis(tree: Any, name: str, what: str = "params") -> None:
+  """Raises ``ValueError`` naming the first floating-point leaf without a leading node axis (a scalar).
+
+  For the transforms that average over the node axis with no topology to fix n (all-reduce,
+  periodic averaging, EASGD's center): a scalar leaf has no node axis to average over.
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    dtype = getattr(leaf, "dtype", None)
+    if np.ndim(leaf) == 0 and (dtype is None or jnp.issubdtype(dtype, jnp.inexact)):
+      raise ValueError(f"{name}: {what}{jax.tree_util.keystr(path)} is a scalar, with no node axis to average "
+                       "over; every leaf needs the leading node axis (stack every node's params, e.g. with "
+                       "gj.init_nodes)")
+
+
 def require_static(topology: Any, name: str) -> None:
   """Raises for a time-varying W where a method's correction assumes the same W at every step."""
   if topology.is_time_varying:

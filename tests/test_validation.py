@@ -174,3 +174,14 @@ def test_exact_methods_refuse_a_directed_w(make, topology):
                                        r"exponential\(n, symmetric=True\).*gj\.gradient_tracking"):
     make(topology, learning_rate=0.01)
   make(T.exponential(8, symmetric=True), learning_rate=0.01)
+
+
+@pytest.mark.parametrize("make", [lambda: gj.allreduce_sgd(learning_rate=0.1), lambda: gj.periodic_average(2),
+                                  lambda: gj.easgd(learning_rate=0.1)], ids=["allreduce_sgd", "periodic_average", "easgd"])
+def test_a_scalar_leaf_is_named_where_nodes_are_averaged(make):
+  tx = make()
+  x = {"w": jnp.ones((4, 2)), "s": jnp.asarray(1.0)}
+  with pytest.raises(ValueError, match=r"params\['s'\] is a scalar, with no node axis to average over"):
+    tx.init(x)
+  fine = {"w": jnp.ones((4, 2)), "count": jnp.zeros((), jnp.int32)}  # a non-float scalar is left alone
+  tx.update(fine, tx.init(fine), fine)

@@ -6,7 +6,7 @@ from typing import Any
 
 import optax
 
-from gossipjax._validation import check_learning_rate, check_momentum
+from gossipjax._validation import check_learning_rate, check_momentum, require_node_axis
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 
 
@@ -74,4 +74,19 @@ def allreduce_sgd(
   if not (isinstance(beta, (int, float)) and beta == 0):
     parts.append(optax.trace(decay=beta))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  return float_leaves_only(optax.chain(*parts))
+  return _node_axis_checked(float_leaves_only(optax.chain(*parts)), "gj.allreduce_sgd")
+
+
+
+def _node_axis_checked(tx: optax.GradientTransformationExtraArgs, name: str) -> optax.GradientTransformationExtraArgs:
+  """``tx`` (its state unchanged), which first checks that every float leaf has a node axis to average over."""
+
+  def init_fn(params):
+    require_node_axis(params, name)
+    return tx.init(params)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    require_node_axis(updates, name, "updates")
+    return tx.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

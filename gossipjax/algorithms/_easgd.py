@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gossipjax._validation import check_in_range, check_learning_rate, check_period, require_params
+from gossipjax._validation import check_in_range, check_learning_rate, check_period, require_node_axis, require_params
 from gossipjax.algorithms._common import learning_rate_at
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 
@@ -97,11 +97,13 @@ def easgd(
   backend = resolve_backend(backend)
 
   def init_fn(params):
+    require_node_axis(params, "gj.easgd")
     return EASGDState(count=jnp.zeros([], jnp.int32), center=backend.mean(params))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
     require_params(params, "gj.easgd")
+    require_node_axis(params, "gj.easgd")
     lr = learning_rate_at(learning_rate, state.count)
     sgd = jax.tree.map(lambda g, x: (-lr * g).astype(x.dtype), grads, params)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gossipjax._validation import check_period, require_params
+from gossipjax._validation import check_period, require_node_axis, require_params
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 
 
@@ -69,12 +69,13 @@ def periodic_average(every: int, backend: Backend | None = None) -> optax.Gradie
   backend = resolve_backend(backend)
 
   def init_fn(params):
-    del params
+    require_node_axis(params, "gj.periodic_average")
     return PeriodicAverageState(count=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     require_params(params, "gj.periodic_average")
+    require_node_axis(params, "gj.periodic_average")
     updates = jax.tree.map(lambda u, x: u.astype(x.dtype), updates, params)
 
     def average(updates):

@@ -482,6 +482,15 @@ def from_matrix(w: Any, name: str = "custom") -> Topology:
     >>> T.from_matrix([np.eye(2), np.full((2, 2), 0.5)]).period
     2
   """
+  if isinstance(w, (list, tuple)) and w and not isinstance(w[0], (int, float, np.number)):
+    shapes = [tuple(np.shape(m)) for m in w]
+    other = next((k for k, shape in enumerate(shapes) if shape != shapes[0]), None)
+    if other is not None and max(map(len, shapes)) >= 2:
+      raise ValueError(f"gj.topology.from_matrix: every step's W must be of the same n x n, got {shapes[0]} at step 0 "
+                       f"and {shapes[other]} at step {other}")
+    if other is not None:
+      raise ValueError(f"gj.topology.from_matrix: the rows of W must be of one length, got {len(w[0])} in row 0 and "
+                       f"{len(w[other])} in row {other}")
   return Topology(w, name=name)
 
 
@@ -497,6 +506,9 @@ def from_networkx(graph: Any, weights: Weights = "uniform") -> Topology:
   Returns:
     A static `Topology` named ``networkx(n)``.
 
+  Raises:
+    ValueError: the graph has no node.
+
   Example:
     >>> import networkx as nx
     >>> from gossipjax import topology as T
@@ -508,6 +520,8 @@ def from_networkx(graph: Any, weights: Weights = "uniform") -> Topology:
   import networkx as nx
 
   nodes = sorted(graph.nodes)
+  if not nodes:
+    raise ValueError("gj.topology.from_networkx: the graph has no node; a topology needs at least one")
   a = sp.coo_array(nx.to_scipy_sparse_array(graph, nodelist=nodes, weight=None))
   dst, src = (a.col, a.row) if graph.is_directed() else (a.row, a.col)
   return _from_edges(len(nodes), dst, src, f"networkx({len(nodes)})", weights)

@@ -101,6 +101,16 @@ def test_bad_matrices_raise_saying_what_is_wrong(w, match):
     gj.gossip_sgd(T.from_matrix(w), learning_rate=0.1)
 
 
+def test_matrices_of_different_sizes_and_empty_graphs_are_named():
+  with pytest.raises(ValueError, match=r"from_matrix: every step's W must be of the same n x n, got \(4, 4\) at "
+                                       r"step 0 and \(5, 5\) at step 1"):
+    T.from_matrix([np.full((4, 4), 0.25), np.full((5, 5), 0.2)])
+  with pytest.raises(ValueError, match="rows of W must be of one length, got 1 in row 0 and 2 in row 1"):
+    T.from_matrix([[1.0], [0.5, 0.5]])
+  with pytest.raises(ValueError, match="from_networkx: the graph has no node"):
+    T.from_networkx(nx.Graph())
+
+
 def test_bad_sizes_raise():
   for bad in (0, -3, 2.5, True):
     with pytest.raises(ValueError, match="number of nodes"):
