@@ -6,14 +6,8 @@ so a crash mid-save leaves the previous steps usable, and a truncated or corrupt
 raises `CorruptCheckpointError` instead of returning garbage.
 """
 
-from gossipjax.checkpoint._checkpoint import (
-    CorruptCheckpointError,
-    all_steps,
-    latest_step,
-    rank_directory,
-    restore,
-    save,
-)
+from gossipjax.checkpoint._checkpoint import CorruptCheckpointError, all_steps, latest_step, restore, save
+from gossipjax.checkpoint._ranks import rank_directory
 
 __all__ = (
     "CorruptCheckpointError",
