@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -11,6 +12,8 @@ import optax
 from gossipjax._validation import check_in_range, check_learning_rate, check_node_axis, require_params
 from gossipjax.algorithms._common import learning_rate_at
 from gossipjax.backend._base import follow_placement
+from gossipjax.backend._blocks import Wire
+from gossipjax.compress._base import leaf_keys
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
 
 from gossipjax.compress import Compressor
@@ -25,15 +28,40 @@ class ChocoState(NamedTuple):
       like the params.
     neighbour_sum: ``s_i = sum_j w_ij x_hat_j``, kept up to date from the compressed
       messages, shaped like the params.
-    key: (nodes, 2) uint32, one PRNG key per node for random compressors.
+    key: (nodes, 2) uint32, one PRNG key per node for random compressors; node i
+      compresses step k with ``fold_in(key_i, k)``, which its neighbours can rebuild from
+      the seed, i and k (so ``random_k`` sends its values alone).
     message_bits: (nodes,) the bits of the message ``q_i`` each node sent in the last step.
   """
 
   count: jax.Array
   public: Any  # x_hat_i: the copy of x_i that node i and its neighbours share
   neighbour_sum: Any  # s_i = sum_j w_ij x_hat_j, kept up to date from the compressed messages
-  key: jax.Array  # (nodes, 2) uint32: one PRNG key per node for random compressors
+  key: jax.Array  # (nodes, 2) uint32: node i's base key, fold_in(PRNGKey(seed), i)
   message_bits: jax.Array  # (nodes,) bits of the message q_i each node sent in the last step
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeReceived:
+  """What a receiver does with the compact parts of one leaf: rebuild each sender's key and decode.
+
+  Node j compresses step k with ``fold_in(fold_in(PRNGKey(seed), j), k)``, so a receiver that
+  knows the sender needs no key on the wire. Static data (equal configurations compare equal),
+  so a backend's compiled mixing is reused from step to step.
+  """
+
+  compressor: Compressor
+  seed: int
+  like: tuple[tuple[tuple[int, ...], Any], ...]  # one node's leaves: (shape, dtype)
+
+  def __call__(self, i: int, parts: tuple[jax.Array, ...], senders: jax.Array, count: jax.Array) -> jax.Array:
+    shape, dtype = self.like[i]
+
+    def one(p, j):
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.seed), j), count)
+      return self.compressor.decode_leaf(p, leaf_keys(key, len(self.like))[i], shape, dtype)
+
+    return jax.vmap(one)(parts, senders)
 
 
 def choco_sgd(
@@ -135,14 +163,22 @@ def choco_sgd(
     check_node_axis(params, mixer.local_nodes, "gj.choco_sgd", mixer.topology.name)
     lr = learning_rate_at(learning_rate, state.count)
     half = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
-    keys = jax.vmap(jax.random.split)(state.key)
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, state.count))(state.key)
     diff = jax.tree.map(lambda h, p: h - p, half, state.public)
-    q = node_map(contraction.compress)(diff, keys[:, 1])
+    treedef = jax.tree.structure(diff)
+    like = tuple((tuple(x.shape[1:]), jnp.dtype(x.dtype)) for x in jax.tree.leaves(diff))
+    # What node i sends is the compact form of C(diff_i); it updates its own public copy with
+    # the same decoded message its neighbours receive.
+    compact = node_map(contraction.encode)(diff, keys)
+    one_node = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*sd) for sd in like])
+    q = node_map(lambda c, k: contraction.decode(c, k, one_node))(compact, keys)
     public = jax.tree.map(lambda p, qi: p + qi, state.public, q)
     if mixer.topology.is_time_varying:
       neighbour_sum = mixer.mix(public, state.count)
     else:
-      neighbour_sum = jax.tree.map(lambda s, wq: s + wq, state.neighbour_sum, mixer.mix(q, state.count))
+      decode = _DecodeReceived(contraction, seed, like)
+      wire = Wire([tuple(c) for c in treedef.flatten_up_to(compact)], decode, state.count)
+      neighbour_sum = jax.tree.map(lambda s, wq: s + wq, state.neighbour_sum, mixer.mix(q, state.count, wire))
     eta = consensus_step
     updates = jax.tree.map(lambda h, s, p, x: (h + eta * (s - p) - x).astype(x.dtype),
                            half, neighbour_sum, public, params)
@@ -150,7 +186,7 @@ def choco_sgd(
         count=optax.safe_increment(state.count),
         public=public,
         neighbour_sum=neighbour_sum,
-        key=keys[:, 0],
+        key=state.key,
         message_bits=node_map(contraction.bits)(diff).astype(state.message_bits.dtype),
     )
 

@@ -33,8 +33,14 @@ class Mixer(Protocol):
   topology: Topology
   local_nodes: int  # the leading-axis size the transform sees where it runs
 
-  def mix(self, tree: Any, step: jax.Array | int) -> Any:
-    """``x_i <- sum_j W(step)[i, j] x_j`` for every node, on every leaf."""
+  def mix(self, tree: Any, step: jax.Array | int, wire: Any = None) -> Any:
+    """``x_i <- sum_j W(step)[i, j] x_j`` for every node, on every leaf.
+
+    ``wire`` (optional) gives each leaf's compact form (a compressor's, see
+    ``gossipjax.backend._blocks.Wire``): a backend whose nodes live apart sends that form
+    and decodes it on arrival; ``tree`` must then be its decoded value. A backend that
+    holds every node may ignore it.
+    """
     ...
 
   def first_node(self) -> jax.Array | int:

@@ -33,7 +33,7 @@ distinct patterns, and every step sends only its own exchanges.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -237,6 +237,7 @@ class StepTable:
     patterns: one representative plan per distinct exchange pattern.
     pattern_of: int (period,), the pattern of each step.
     send_rows: int (period, E, K, M), the rows exchange ``e`` of the step's pattern sends.
+    source: int (period, E, K), the device each one receives from in exchange ``e`` (-1: none).
     rows: int (period, R, K, B), for each round the row of ``concat(own block, E received
       buffers of M rows)`` each node reads (its own row where the round has no edge for it).
     weight: (period, R, K, B), the rounds' weights (0 where a step has fewer rounds).
@@ -246,6 +247,7 @@ class StepTable:
   patterns: tuple[BlockPlan, ...]
   pattern_of: np.ndarray
   send_rows: np.ndarray
+  source: np.ndarray
   rows: np.ndarray
   weight: np.ndarray
   self_weight: np.ndarray
@@ -269,17 +271,19 @@ def step_table(plans: Sequence[BlockPlan]) -> StepTable:
   num_rounds = max(1, max(len(p.rounds) for p in plans))
   period = len(plans)
   send_rows = np.zeros((period, max(1, num_ex), k, m), np.int64)
+  source = np.full((period, max(1, num_ex), k), -1, np.int64)
   rows = np.tile(np.arange(b), (period, num_rounds, k, 1))
   weight = np.zeros((period, num_rounds, k, b))
   for s, p in enumerate(plans):
     for e, ex in enumerate(p.exchanges):
       send_rows[s, e, :, :ex.send_rows.shape[1]] = ex.send_rows
+      source[s, e] = ex.source
     for r, rnd in enumerate(p.rounds):
       start = np.where(rnd.buffer == 0, 0, b + (rnd.buffer - 1) * m)  # received buffers are padded to m rows
       rows[s, r] = start + rnd.row
       weight[s, r] = rnd.weight
   self_weight = np.stack([p.self_weight for p in plans])
-  return StepTable(tuple(patterns), np.asarray(pattern_of, np.int32), send_rows, rows, weight, self_weight)
+  return StepTable(tuple(patterns), np.asarray(pattern_of, np.int32), send_rows, source, rows, weight, self_weight)
 
 
 def compile_topology(topology: Topology, num_devices: int) -> tuple[BlockPlan, ...]:
@@ -392,9 +396,66 @@ def _unpack(y: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
   return out
 
 
+class Wire(NamedTuple):
+  """What crosses devices instead of the dense rows: each leaf's compact form (a compressor's).
+
+  Attributes:
+    parts: for every leaf of the mixed tree (in ``jax.tree.leaves`` order), the tuple of
+      node-stacked arrays that encode it (leading axis: the local nodes).
+    decode: ``decode(leaf index, parts' received rows, global indices of their sender
+      nodes, context)`` gives the dense rows ``(m, *leaf.shape[1:])`` the receiver mixes.
+    context: arrays every node shares that ``decode`` reads (e.g. the step, for keys).
+  """
+
+  parts: Sequence[tuple[jax.Array, ...]]
+  decode: Callable[[int, tuple[jax.Array, ...], jax.Array, Any], jax.Array]
+  context: Any = None
+
+
+class _Travel(NamedTuple):
+  """The packed arrays that cross, and how received rows of them become rows of the dense buckets."""
+
+  arrays: list[jax.Array]
+  to_dense: Callable[[list[jax.Array | None], Callable[[], Any]], list[jax.Array | None]]
+
+
+def _dense_travel(packed: list[jax.Array]) -> _Travel:
+  return _Travel(packed, lambda got, nodes: got)
+
+
+def _compact_travel(wire: Wire, leaves: Sequence[jax.Array], groups: Sequence[Sequence[int]],
+                    bucket_bytes: int) -> _Travel:
+  """The leaves' compact parts packed by dtype into their own buckets, decoded on arrival."""
+  flat = [p for parts in wire.parts for p in parts]
+  owner = [i for i, parts in enumerate(wire.parts) for _ in parts]
+  wire_groups = buckets(flat, bucket_bytes)
+  arrays = [_pack([flat[j] for j in idx]) for idx in wire_groups]
+
+  def to_dense(got: list[jax.Array | None], nodes: Callable[[], Any]) -> list[jax.Array | None]:
+    if all(g is None for g in got):
+      return [None] * len(groups)
+    rows: list[Any] = [None] * len(flat)
+    for idx, g in zip(wire_groups, got):
+      for j, part in zip(idx, _unpack(g, [flat[j] for j in idx])):
+        rows[j] = part
+    senders = jnp.asarray(nodes(), jnp.int32)
+    dense = [wire.decode(i, tuple(r for r, o in zip(rows, owner) if o == i), senders, wire.context)
+             for i in range(len(leaves))]
+    return [_pack([dense[i] for i in idx]) for idx in groups]
+
+  return _Travel(arrays, to_dense)
+
+
+def _senders(source: Any, send_rows: Any, block: int) -> Any:
+  """Global indices of the nodes whose rows arrive from device ``source`` (its ``send_rows``)."""
+  if isinstance(source, (int, np.integer)):
+    return max(int(source), 0) * block + np.asarray(send_rows)
+  return jnp.maximum(source, 0) * block + send_rows
+
+
 def apply_block_plan(plan: BlockPlan, packed: Sequence[jax.Array], device: Any, exchange: ExchangeFn,
-                     reduce: ReduceFn | None = None) -> list[jax.Array]:
-  """``(W x)`` for this device's block of every bucket (B, width): one exchange per bucket and device offset.
+                     reduce: ReduceFn | None = None, travel: _Travel | None = None) -> list[jax.Array]:
+  """``(W x)`` for this device's block of every bucket (B, width): one exchange per exchange and bucket.
 
   Args:
     plan: the compiled plan.
@@ -405,20 +466,32 @@ def apply_block_plan(plan: BlockPlan, packed: Sequence[jax.Array], device: Any, 
       bucket: ``exchange(ex, rows to send or None, the bucket)``.
     reduce: sums a (terms, width) array over the devices (psum or an MPI allreduce);
       needed when the plan has rank-one terms, one call per bucket for all of them.
+    travel: what crosses (default: the dense buckets themselves).
   """
   static = isinstance(device, (int, np.integer))
+  travel = travel or _dense_travel(list(packed))
+  bufs: list[list[jax.Array | None]] = [[x] for x in packed]
+  for ex in plan.exchanges:
+    c = int(ex.count[int(device)]) if static else ex.send_rows.shape[1]
+    rows = ex.send_rows[int(device), :c] if static else _row(ex.send_rows, device)
+    got = [exchange(ex, _take(t, rows) if c else None, t) for t in travel.arrays]
+
+    def nodes(ex=ex):
+      if static:
+        src = int(ex.source[int(device)])
+        return _senders(src, ex.send_rows[max(src, 0), :ex.count[src] if src >= 0 else 0], plan.block)
+      src = jnp.asarray(ex.source)[device]
+      return _senders(src, jnp.asarray(ex.send_rows)[jnp.maximum(src, 0)], plan.block)
+
+    for b, g in enumerate(travel.to_dense(got, nodes)):
+      bufs[b].append(g)
   out = []
-  for x in packed:
-    bufs: list[jax.Array | None] = [x]
-    for ex in plan.exchanges:
-      c = int(ex.count[int(device)]) if static else ex.send_rows.shape[1]
-      rows = ex.send_rows[int(device), :c] if static else _row(ex.send_rows, device)
-      bufs.append(exchange(ex, _take(x, rows) if c else None, x))
+  for x, xb in zip(packed, bufs):
     # Rows travel in the leaf's dtype; 16-bit floats are summed in float32 and rounded once.
     acc = x.astype(accumulation_dtype(x.dtype))
     y = _weight(_row(plan.self_weight, device), acc) * acc
     for r in plan.rounds:
-      y = y + _weight(_row(r.weight, device), acc) * _assemble(bufs, r, device).astype(acc.dtype)
+      y = y + _weight(_row(r.weight, device), acc) * _assemble(xb, r, device).astype(acc.dtype)
     if plan.rank_one:
       if reduce is None:
         raise ValueError("this backend cannot apply rank-one terms (it has no all-reduce)")
@@ -430,11 +503,13 @@ def apply_block_plan(plan: BlockPlan, packed: Sequence[jax.Array], device: Any, 
 
 
 def apply_step_table(table: StepTable, packed: Sequence[jax.Array], step: jax.Array, device: Any,
-                     exchange: ExchangeFn) -> list[jax.Array]:
+                     exchange: ExchangeFn, travel: _Travel | None = None) -> list[jax.Array]:
   """``W(step) x`` of every bucket for a traced step: the step's pattern's exchanges, then the tables' rows and weights."""
   k = jnp.asarray(step) % len(table.pattern_of)
   static = isinstance(device, (int, np.integer))
   m, num_ex = table.max_rows, table.send_rows.shape[1]
+  travel = travel or _dense_travel(list(packed))
+  block = packed[0].shape[0]
 
   def pick(t: np.ndarray) -> jax.Array:
     """This device's entries of a (period, ..., K, last) table at the traced step."""
@@ -445,20 +520,21 @@ def apply_step_table(table: StepTable, packed: Sequence[jax.Array], step: jax.Ar
   # Every slot's rows are gathered outside the branches, which then hold only the exchanges:
   # a branch per pattern costs little to compile.
   send_rows = pick(table.send_rows)
-  sends = [[jnp.take(x, send_rows[e], axis=0) for x in packed] for e in range(num_ex)]
+  sends = [[jnp.take(t, send_rows[e], axis=0) for t in travel.arrays] for e in range(num_ex)]
 
   def pad(got: jax.Array | None, like: jax.Array) -> jax.Array:
     """Received rows padded to m (zeros shaped, and under shard_map varying, like the sends)."""
     if got is None:
       return jnp.zeros_like(like)
-    return jnp.pad(got, [(0, m - got.shape[0]), (0, 0)])
+    return jnp.pad(got, [(0, m - got.shape[0])] + [(0, 0)] * (got.ndim - 1))
 
   def branch(plan: BlockPlan) -> Callable[[list], list]:
     def run(sends):
       received = []
       for e, ex in enumerate(plan.exchanges):
         c = int(ex.count[int(device)]) if static else ex.send_rows.shape[1]
-        received.append([pad(exchange(ex, send[:c] if c else None, x), send) for send, x in zip(sends[e], packed)])
+        received.append([pad(exchange(ex, send[:c] if c else None, t), send)
+                         for send, t in zip(sends[e], travel.arrays)])
       return received + [[jnp.zeros_like(send) for send in sends[e]] for e in range(len(received), num_ex)]
     return run
 
@@ -467,12 +543,17 @@ def apply_step_table(table: StepTable, packed: Sequence[jax.Array], step: jax.Ar
     received = branches[0](sends)
   else:
     received = jax.lax.switch(jnp.asarray(table.pattern_of)[k], branches, sends)
+  source = jnp.asarray(table.source)[k][:, int(device)] if static else jnp.asarray(table.source)[k][:, device]
+  all_rows = jnp.asarray(table.send_rows)[k]  # (E, K, M)
+  dense = [travel.to_dense(received[e], lambda e=e: _senders(source[e], all_rows[e][jnp.maximum(source[e], 0)],
+                                                             block))
+           for e in range(num_ex)]
   rows, weight, self_weight = pick(table.rows), pick(table.weight), pick(table.self_weight)
   out = []
   for b, x in enumerate(packed):
     # Rows travel in the leaf's dtype; 16-bit floats are summed in float32 and rounded once.
     acc = x.astype(accumulation_dtype(x.dtype))
-    bufs = jnp.concatenate([x] + [got[b] for got in received], axis=0).astype(acc.dtype)
+    bufs = jnp.concatenate([x] + [got[b] for got in dense], axis=0).astype(acc.dtype)
     y = _weight(self_weight, acc) * acc
     for r in range(table.rows.shape[1]):
       y = y + _weight(weight[r], acc) * jnp.take(bufs, rows[r], axis=0)
@@ -482,24 +563,27 @@ def apply_step_table(table: StepTable, packed: Sequence[jax.Array], step: jax.Ar
 
 def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, exchange: ExchangeFn,
                reduce: ReduceFn | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-               table: StepTable | None = None) -> Any:
+               table: StepTable | None = None, wire: Wire | None = None) -> Any:
   """Applies W(step) to a tree of local blocks, packed into buckets: one exchange per bucket.
 
   A traced step over a period of plans uses ``table`` (see `step_table`); a period with
-  rank-one terms is a ``lax.switch`` over whole plans.
+  rank-one terms is a ``lax.switch`` over whole plans. With ``wire``, the leaves' compact
+  parts cross instead of their rows (in buckets of their own) and are decoded on arrival;
+  rank-one terms still all-reduce dense partial sums.
   """
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     return tree
   groups = buckets(leaves, bucket_bytes)
   packed = [_pack([leaves[i] for i in idx]) for idx in groups]
-  apply = lambda p: (lambda bs: apply_block_plan(p, bs, device, exchange, reduce))
+  travel = None if wire is None else _compact_travel(wire, leaves, groups, bucket_bytes)
+  apply = lambda p: (lambda bs: apply_block_plan(p, bs, device, exchange, reduce, travel))
   if len(plans) == 1:
     mixed = apply(plans[0])(packed)
   elif isinstance(step, (int, np.integer)):
     mixed = apply(plans[int(step) % len(plans)])(packed)
   elif table is not None:
-    mixed = apply_step_table(table, packed, step, device, exchange)
+    mixed = apply_step_table(table, packed, step, device, exchange, travel)
   else:
     mixed = jax.lax.switch(jnp.asarray(step) % len(plans), [apply(p) for p in plans], packed)
   out: list[Any] = [None] * len(leaves)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, Exchange, StepTable, check_bucket_bytes,
-                                       check_divisible, compile_topology, mix_blocks, step_table_or_none)
+                                       Wire, check_divisible, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
 
 INSTALL_HINT = (
@@ -84,7 +84,7 @@ class MpiMixer:
   def first_node(self) -> int:
     return self.rank * self.local_nodes
 
-  def mix(self, tree: Any, step: jax.Array | int = 0) -> Any:
+  def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
     mpi4jax, MPI = _import_mpi()
     rank, size, comm = self.rank, self.size, self.comm
 
@@ -109,7 +109,7 @@ class MpiMixer:
     def reduce(partial: jax.Array) -> jax.Array:
       return mpi4jax.allreduce(partial, op=MPI.SUM, comm=comm)
 
-    return mix_blocks(self.plans, tree, step, rank, exchange, reduce, self.bucket_bytes, self.table)
+    return mix_blocks(self.plans, tree, step, rank, exchange, reduce, self.bucket_bytes, self.table, wire)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

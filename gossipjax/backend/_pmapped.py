@@ -12,7 +12,7 @@ from jax import lax
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
-                                       compile_topology, mix_blocks, step_table_or_none)
+                                       Wire, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
 
 
@@ -34,7 +34,7 @@ class PmappedMixer:
   def first_node(self) -> jax.Array:
     return lax.axis_index(self.axis_name) * self.local_nodes
 
-  def mix(self, tree: Any, step: jax.Array | int = 0) -> Any:
+  def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
     axis = self.axis_name
     size = lax.axis_size(axis)
     if size != self.num_devices:
@@ -48,7 +48,7 @@ class PmappedMixer:
       return lax.ppermute(send, axis, perm=ex.pairs)
 
     return mix_blocks(self.plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis),
-                      self.bucket_bytes, self.table)
+                      self.bucket_bytes, self.table, wire)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
-                                       compile_topology, mix_blocks, step_table_or_none)
+                                       Wire, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
 
 
@@ -79,32 +79,37 @@ class ShardedMixer:
   def first_node(self) -> int:
     return 0
 
-  def mix(self, tree: Any, step: jax.Array | int = 0) -> Any:
+  def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
     axis, plans = self.axis, self.plans
 
     def exchange(ex, send, x):
       del x
       return lax.ppermute(send, axis, perm=ex.pairs)
 
-    def body(tree, step):
+    def body(tree, parts, context, step):
+      w = None if wire is None else Wire(parts, wire.decode, context)
       return mix_blocks(plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis),
-                        self.bucket_bytes, self.table)
+                        self.bucket_bytes, self.table, w)
 
     specs = jax.tree.map(lambda _: P(axis), tree)
     tree = conform(tree, self.mesh, specs)
+    parts = None if wire is None else [tuple(p) for p in wire.parts]
+    part_specs = jax.tree.map(lambda _: P(axis), parts)
+    parts = conform(parts, self.mesh, part_specs)
+    context = None if wire is None else wire.context
     static = len(plans) == 1 or isinstance(step, (int, np.integer))
     # One jitted program per tree structure (and static step): called eagerly, the mixing
     # then compiles once, not op by op on every call; under an outer jit it is inlined.
     fixed = (0 if len(plans) == 1 else int(step) % len(plans)) if static else None
-    key = (jax.tree.structure(tree), fixed)
+    key = (jax.tree.structure(tree), fixed, jax.tree.structure(parts), jax.tree.structure(context),
+           None if wire is None else wire.decode)
     fn = self._compiled.get(key)
     if fn is None:
-      if static:
-        fn = jax.jit(jax.shard_map(lambda t: body(t, fixed), mesh=self.mesh, in_specs=(specs,), out_specs=specs))
-      else:
-        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P()), out_specs=specs))
+      in_specs = (specs, part_specs, jax.tree.map(lambda _: P(), context), P())
+      run = (lambda t, p, c, s: body(t, p, c, fixed)) if static else body
+      fn = jax.jit(jax.shard_map(run, mesh=self.mesh, in_specs=in_specs, out_specs=specs))
       self._compiled[key] = fn
-    return fn(tree) if static else fn(tree, jnp.asarray(step))
+    return fn(tree, parts, context, jnp.asarray(0 if static else step))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

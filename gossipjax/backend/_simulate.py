@@ -71,7 +71,8 @@ class SimulateMixer:
   def first_node(self) -> int:
     return 0
 
-  def mix(self, tree: Any, step: jax.Array | int = 0) -> Any:
+  def mix(self, tree: Any, step: jax.Array | int = 0, wire: Any = None) -> Any:
+    del wire  # every node is here: the dense rows are mixed, and a compact form has nothing to cross
     plans = self.topology.plans()
     apply = lambda p: (lambda t: jax.tree.map(lambda x: apply_plan(p, x), t))
     if len(plans) == 1:

@@ -47,7 +47,7 @@ def _method(name, factory, kwargs, preserves_average=True, static_args=(), bf16_
 
 METHODS = [
     _method("gossip_sgd", gj.gossip_sgd, dict(topology=W, beta=0.9, learning_rate=0.1)),
-    _method("decentlam", gj.decentlam, dict(topology=W, beta=0.9, learning_rate=0.1), bf16_drift=4e-2),
+    _method("decentlam", gj.decentlam, dict(topology=W, beta=0.9, learning_rate=0.1), bf16_drift=6e-2),
     _method("allreduce_sgd", gj.allreduce_sgd, dict(learning_rate=0.1, beta=0.9)),
     Method("adam+mix", lambda: optax.chain(optax.adam(1e-2), gj.mix(W)), None, {}, True),
     Method("sgd+mix_every_3", lambda: optax.chain(optax.sgd(0.1), gj.mix(W, every=3)), None, {}, True),

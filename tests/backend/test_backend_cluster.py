@@ -171,3 +171,42 @@ def test_a_long_period_compiles_in_at_most_twice_the_simulated_time():
   assert out.returncode == 0, out.stderr[-2000:]
   simulated, sharded = map(float, out.stdout.split())
   assert sharded <= 2 * simulated, (sharded, simulated)
+
+
+def _permute_bytes(compiled_text: str) -> int:
+  """Bytes of every collective-permute's result in a compiled (CPU) program."""
+  total = 0
+  for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} collective-permute\(", compiled_text):
+    size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+    total += size * {"f64": 8, "f32": 4, "bf16": 2, "u16": 2, "s16": 2, "u8": 1, "s8": 1, "u32": 4, "s32": 4}[dtype]
+  return total
+
+
+@pytest.mark.parametrize("compressor, compact_bytes", [
+    (gj.compress.top_k(0.01), 10 * 4 + 10 * 2),  # 10 float32 values, 10 uint16 indices
+    (gj.compress.random_k(0.01), 10 * 4),  # the values alone: the receiver rebuilds the indices
+    (gj.compress.qsgd(4), 1000 + 4),  # int8 levels and a float32 norm
+    (gj.compress.sign(), 125 + 4),  # 1,000 packed sign bits and a float32 scale
+], ids=lambda v: type(v).__name__ if not isinstance(v, int) else "")
+def test_choco_sends_the_compact_form(compressor, compact_bytes):
+  be = gj.backend.sharded(_mesh(AUTO))
+  topo = T.ring(16)
+  tx = gj.choco_sgd(topo, compressor, learning_rate=0.1, consensus_step=0.5, backend=be)
+  x0 = {"w": np.random.default_rng(0).normal(size=(16, 1000)).astype(np.float32)}
+  x = be.shard(x0)
+  step = jax.jit(lambda p, s: tx.update(jax.tree.map(lambda v: 0.1 * v, p), s, p))
+  exchanges = be.mixer(topo).plans[0].exchanges
+  rows = max(int(ex.count.max()) for ex in exchanges)  # one row (node) per exchange on ring(16) over 8
+  sent = _permute_bytes(step.lower(x, tx.init(x)).compile().as_text())
+  assert 0 < sent <= 1.1 * len(exchanges) * rows * compact_bytes
+  # The same numbers as the simulation, which mixes the decoded messages densely.
+  sim = gj.choco_sgd(topo, compressor, learning_rate=0.1, consensus_step=0.5)
+  got, want = (x, tx.init(x)), (x0, sim.init(x0))
+  sim_step = jax.jit(lambda p, s: sim.update(jax.tree.map(lambda v: 0.1 * v, p), s, p))
+  for _ in range(3):
+    u, s = step(*got)
+    got = (optax.apply_updates(got[0], u), s)
+    u, s = sim_step(*want)
+    want = (optax.apply_updates(want[0], u), s)
+  np.testing.assert_allclose(got[0]["w"], want[0]["w"], rtol=0, atol=2e-6)  # float32: a norm's last ulp
+  assert float(got[1].message_bits[0]) == 8 * compact_bytes
