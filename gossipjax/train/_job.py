@@ -124,8 +124,12 @@ class OutputFolder:
 
 
 def write_json(path: str, value: Any) -> None:
-  """Writes ``value`` as JSON through a temporary file renamed over ``path``: readers see the old or the new file."""
-  tmp = f"{path}.tmp-{os.getpid()}"
+  """Writes ``value`` as JSON through a temporary file renamed over ``path``: readers see the old or the new file.
+
+  The temporary file has a fixed name: the folder's one job is its only writer, and what a
+  killed write leaves is overwritten by the next.
+  """
+  tmp = f"{path}.tmp"
   try:
     with open(tmp, "w") as f:
       json.dump(value, f)
