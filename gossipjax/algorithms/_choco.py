@@ -11,10 +11,8 @@ import optax
 
 from gossipjax._validation import check_in_range, check_learning_rate, check_node_axis, require_params
 from gossipjax.algorithms._common import learning_rate_at
-from gossipjax.backend._base import follow_placement
-from gossipjax.backend._blocks import Wire
 from gossipjax.compress._base import leaf_keys
-from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
+from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
 
 from gossipjax.compress import Compressor
 

@@ -10,8 +10,7 @@ import optax
 
 from gossipjax._validation import check_learning_rate, check_momentum, check_node_axis, require_params
 from gossipjax.algorithms._common import learning_rate_at
-from gossipjax.backend._base import follow_placement
-from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+from gossipjax.mixing import Backend, float_leaves_only, follow_placement, make_mixer
 
 
 

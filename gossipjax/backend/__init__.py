@@ -7,7 +7,7 @@ from gossipjax.backend._mpi import Mpi, mpi
 from gossipjax.backend._mpi_fault import abort_on_error as mpi_abort_on_error
 from gossipjax.backend._mpi import launch_prefix as mpi_launch_prefix
 from gossipjax.backend._pmapped import Pmapped, pmapped
-from gossipjax.backend._sharded import Sharded, sharded
+from gossipjax.backend._sharded import Sharded, hierarchical, sharded
 from gossipjax.backend._simulate import Simulate, simulate
 
 # Before JAX starts its CPU client: multi-device steps queued without waiting need 2 threads per
@@ -21,6 +21,7 @@ __all__ = (
     "Pmapped",
     "Sharded",
     "Simulate",
+    "hierarchical",
     "mpi",
     "mpi_abort_on_error",
     "mpi_launch_env",

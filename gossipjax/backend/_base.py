@@ -120,10 +120,9 @@ def follow_placement(tree: Any, params: Any) -> Any:
 
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
-    >>> from gossipjax.backend._base import follow_placement
     >>> be = gj.backend.sharded(jax.make_mesh((len(jax.devices()),), ("nodes",)))
     >>> params = be.shard(jnp.zeros((2 * be.num_devices, 3)))
-    >>> keys = follow_placement(jnp.zeros((2 * be.num_devices, 2), jnp.uint32), params)
+    >>> keys = gj.mixing.follow_placement(jnp.zeros((2 * be.num_devices, 2), jnp.uint32), params)
     >>> keys.sharding.spec[0]
     'nodes'
   """

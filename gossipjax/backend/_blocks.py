@@ -342,7 +342,7 @@ def _partial_sum(v: np.ndarray | jax.Array, x: jax.Array) -> jax.Array:
   """``sum_j v[j] x[j]`` over this device's block, shape (...)."""
   if isinstance(v, np.ndarray):
     if np.all(v == v[0]):
-      return float(v[0]) * jnp.sum(x, axis=0)
+      return jnp.sum(float(v[0]) * x, axis=0)  # scaled first: a sum of n large rows could overflow
     nz = np.flatnonzero(v)
     if len(nz) == 1:
       return float(v[nz[0]]) * x[int(nz[0])]
@@ -354,10 +354,12 @@ def _width(x: Any) -> int:
   return int(np.prod(x.shape[1:])) if len(x.shape) > 1 else 1
 
 
-def buckets(leaves: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
-  """Groups leaves into buckets: the leaves of one dtype in order, up to ``bucket_bytes`` per node.
+def buckets(leaves: Sequence[Any], bucket_bytes: int, layouts: Sequence[Any] | None = None) -> list[list[int]]:
+  """Groups leaves into buckets: the leaves of one dtype (and layout) in order, up to ``bucket_bytes`` per node.
 
-  A leaf larger than the cap is a bucket of its own (leaves are never split).
+  A leaf larger than the cap is a bucket of its own (leaves are never split). ``layouts``,
+  one hashable per leaf, keeps leaves laid out differently on a mesh's other axes apart
+  (each device packs its own pieces of leaves that are split alike).
 
   >>> import numpy as np
   >>> leaves = [np.zeros((2, 10), np.float32), np.zeros((2, 3), np.int32), np.zeros((2, 20), np.float32)]
@@ -365,24 +367,25 @@ def buckets(leaves: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
   ([[0, 2], [1]], [[0], [1], [2]])
   """
   out: list[list[int]] = []
-  open_bucket: dict[Any, tuple[int, int]] = {}  # dtype -> (its open bucket, bytes per node in it)
+  open_bucket: dict[Any, tuple[int, int]] = {}  # (dtype, layout) -> (its open bucket, bytes per node in it)
   for i, x in enumerate(leaves):
-    dtype = np.dtype(x.dtype)
-    size = _width(x) * dtype.itemsize
-    if dtype in open_bucket and open_bucket[dtype][1] + size <= bucket_bytes:
-      b, used = open_bucket[dtype]
+    kind = (np.dtype(x.dtype), None if layouts is None else layouts[i])
+    size = _width(x) * np.dtype(x.dtype).itemsize
+    if kind in open_bucket and open_bucket[kind][1] + size <= bucket_bytes:
+      b, used = open_bucket[kind]
       out[b].append(i)
-      open_bucket[dtype] = (b, used + size)
+      open_bucket[kind] = (b, used + size)
     else:
-      open_bucket[dtype] = (len(out), size)
+      open_bucket[kind] = (len(out), size)
       out.append([i])
   return out
 
 
 def _pack(parts: Sequence[jax.Array]) -> jax.Array:
   """Rows of several leaves side by side: (m, sum of widths)."""
-  flat = [p.reshape((p.shape[0], -1)) for p in parts]
-  return flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=1)
+  if len(parts) == 1:  # a bucket of one keeps its shape (and its layout on a mesh's other axes)
+    return parts[0]
+  return jnp.concatenate([p.reshape((p.shape[0], -1)) for p in parts], axis=1)
 
 
 def _unpack(y: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
@@ -405,6 +408,24 @@ class Wire(NamedTuple):
     decode: ``decode(leaf index, parts' received rows, global indices of their sender
       nodes, context)`` gives the dense rows ``(m, *leaf.shape[1:])`` the receiver mixes.
     context: arrays every node shares that ``decode`` reads (e.g. the step, for keys).
+
+  What ``gj.choco_sgd`` passes to ``mixer.mix``, and what a new compressed method would:
+  the simulation mixes the decoded tree and ignores the wire; the sharded, pmapped and MPI
+  backends send the parts (packed by dtype into buckets) and decode them on arrival.
+
+  Example:
+    Sending only the top entry of each node's row, and decoding it on arrival:
+
+    >>> import jax, jax.numpy as jnp, gossipjax as gj
+    >>> c = gj.compress.top_k(0.5)
+    >>> x = jnp.array([[3.0, -1.0], [0.5, -4.0]])               # 2 nodes, one leaf
+    >>> key = jax.random.PRNGKey(0)
+    >>> parts = jax.vmap(lambda r: c.encode_leaf(r, key))(x)    # values and indices per node
+    >>> decode = lambda i, p, senders, ctx: jax.vmap(lambda p: c.decode_leaf(p, key, (2,), x.dtype))(p)
+    >>> q = decode(0, parts, jnp.arange(2), None)                # what the senders' rows decode to
+    >>> wire = gj.mixing.Wire([parts], decode)
+    >>> gj.mixing.make_mixer(gj.topology.complete(2)).mix(q, 0, wire).tolist()
+    [[1.5, -2.0], [1.5, -2.0]]
   """
 
   parts: Sequence[tuple[jax.Array, ...]]
@@ -563,18 +584,19 @@ def apply_step_table(table: StepTable, packed: Sequence[jax.Array], step: jax.Ar
 
 def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, exchange: ExchangeFn,
                reduce: ReduceFn | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-               table: StepTable | None = None, wire: Wire | None = None) -> Any:
+               table: StepTable | None = None, wire: Wire | None = None, layouts: Sequence[Any] | None = None) -> Any:
   """Applies W(step) to a tree of local blocks, packed into buckets: one exchange per bucket.
 
   A traced step over a period of plans uses ``table`` (see `step_table`); a period with
   rank-one terms is a ``lax.switch`` over whole plans. With ``wire``, the leaves' compact
   parts cross instead of their rows (in buckets of their own) and are decoded on arrival;
-  rank-one terms still all-reduce dense partial sums.
+  rank-one terms still all-reduce dense partial sums. ``layouts`` (one hashable per leaf)
+  packs only leaves laid out alike on a mesh's other axes.
   """
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     return tree
-  groups = buckets(leaves, bucket_bytes)
+  groups = buckets(leaves, bucket_bytes, layouts)
   packed = [_pack([leaves[i] for i in idx]) for idx in groups]
   travel = None if wire is None else _compact_travel(wire, leaves, groups, bucket_bytes)
   apply = lambda p: (lambda bs: apply_block_plan(p, bs, device, exchange, reduce, travel))

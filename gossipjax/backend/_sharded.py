@@ -54,6 +54,40 @@ def conform(tree: Any, mesh: Mesh, specs: Any) -> Any:
   return jax.tree.map(put, tree, specs)
 
 
+def leaf_spec(x: Any, mesh: Mesh, axis: str, where: str) -> P | None:
+  """A node-stacked leaf's layout, ``P(axis, ...its layout on the other mesh axes)``, or ``None`` where unknown.
+
+  Read from a placed array, or under ``jax.jit`` from an Explicit mesh's sharding type; a
+  traced leaf on an Auto mesh carries none (``None``). An unplaced leaf is laid out
+  ``P(axis)``.
+
+  Raises:
+    ValueError: the leaf splits its node axis over two mesh axes, or puts the node axis on
+      another of its dimensions.
+  """
+  if isinstance(x, jax.core.Tracer):
+    if not _explicit(mesh, axis):
+      return None
+    sharding = getattr(jax.typeof(x), "sharding", None)
+  else:
+    sharding = getattr(x, "sharding", None)
+  if not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names):
+    return P(axis)
+  spec = list(sharding.spec) + [None] * (len(x.shape) - len(sharding.spec))
+  names = lambda entry: entry if isinstance(entry, tuple) else (entry,)
+  if len([a for a in names(spec[0]) if a is not None]) > 1:
+    raise ValueError(f"{where}: a leaf of shape {tuple(x.shape)} splits its node axis over the mesh axes "
+                     f"{spec[0]}; the node axis must lie on mesh axis {axis!r} alone: place it with "
+                     f"P({axis!r}, ...) (backend.shard does), and split the model over the other axes")
+  if any(axis in names(entry) for entry in spec[1:]):
+    raise ValueError(f"{where}: a leaf of shape {tuple(x.shape)} is laid out {P(*spec)}, which puts mesh axis "
+                     f"{axis!r} on a dimension other than the leading node axis; place it with P({axis!r}, ...)")
+  rest = spec[1:]
+  while rest and rest[-1] is None:
+    rest.pop()
+  return P(axis, *rest)
+
+
 def _broadcast_spec(spec: Any, arg: Any) -> Any:
   """A pytree-prefix of specs (as ``in_specs`` takes) expanded to one spec per leaf of ``arg``."""
   return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), spec, arg,
@@ -89,9 +123,25 @@ class ShardedMixer:
     def body(tree, parts, context, step):
       w = None if wire is None else Wire(parts, wire.decode, context)
       return mix_blocks(plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis),
-                        self.bucket_bytes, self.table, w)
+                        self.bucket_bytes, self.table, w, layouts)
 
-    specs = jax.tree.map(lambda _: P(axis), tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    where = f"gj.backend.sharded(mesh, axis={axis!r})"
+    layouts, manual = None, None  # default: every mesh axis manual, every leaf P(axis)
+    if any(self.mesh.shape[a] > 1 for a in self.mesh.axis_names if a != axis):
+      found = [leaf_spec(x, self.mesh, axis, where) for x in leaves]
+      if all(f is not None for f in found):
+        # Model-sharded nodes: each device mixes its own pieces, so every leaf keeps its layout
+        # on the other axes, and only leaves split alike are packed together.
+        specs = jax.tree.unflatten(treedef, found)
+        layouts = [tuple(f[1:]) for f in found]
+      else:
+        # An Auto mesh under jit hides the layouts: manual over the node axis only, the other
+        # axes left to the compiler, and no packing across leaves whose layouts may differ.
+        specs, manual = jax.tree.map(lambda _: P(axis), tree), frozenset({axis})
+        layouts = list(range(len(leaves)))
+    else:
+      specs = jax.tree.map(lambda _: P(axis), tree)
     tree = conform(tree, self.mesh, specs)
     parts = None if wire is None else [tuple(p) for p in wire.parts]
     part_specs = jax.tree.map(lambda _: P(axis), parts)
@@ -102,12 +152,13 @@ class ShardedMixer:
     # then compiles once, not op by op on every call; under an outer jit it is inlined.
     fixed = (0 if len(plans) == 1 else int(step) % len(plans)) if static else None
     key = (jax.tree.structure(tree), fixed, jax.tree.structure(parts), jax.tree.structure(context),
-           None if wire is None else wire.decode)
+           None if wire is None else wire.decode, None if layouts is None else tuple(layouts), manual)
     fn = self._compiled.get(key)
     if fn is None:
       in_specs = (specs, part_specs, jax.tree.map(lambda _: P(), context), P())
       run = (lambda t, p, c, s: body(t, p, c, fixed)) if static else body
-      fn = jax.jit(jax.shard_map(run, mesh=self.mesh, in_specs=in_specs, out_specs=specs))
+      extra = {} if manual is None else {"axis_names": manual}
+      fn = jax.jit(jax.shard_map(run, mesh=self.mesh, in_specs=in_specs, out_specs=specs, **extra))
       self._compiled[key] = fn
     return fn(tree, parts, context, jnp.asarray(0 if static else step))
 
@@ -121,6 +172,8 @@ class Sharded:
     axis: the mesh axis the nodes are split over.
     bucket_bytes: the most bytes of one node's leaves packed into one message: a gossip
       round sends one ``ppermute`` per exchange and bucket, not one per leaf.
+    data_axis: for nodes made of several devices (`hierarchical`), the mesh axis a node's
+      batch is split over; ``shard_batch`` places batches so.
 
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
@@ -133,10 +186,14 @@ class Sharded:
   mesh: Mesh
   axis: str = "nodes"
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  data_axis: str | None = None
   _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
   def __post_init__(self):
     check_bucket_bytes(self.bucket_bytes, "gj.backend.sharded")
+    if self.data_axis is not None and (self.data_axis == self.axis or self.data_axis not in self.mesh.axis_names):
+      raise ValueError(f"gj.backend.sharded: data_axis={self.data_axis!r} must be a mesh axis other than the node "
+                       f"axis {self.axis!r}; the mesh has {tuple(self.mesh.axis_names)}")
     if not isinstance(self.mesh, Mesh):
       raise TypeError(f"gj.backend.sharded needs a jax.sharding.Mesh, got {type(self.mesh).__name__}")
     if self.axis not in self.mesh.axis_names:
@@ -150,6 +207,11 @@ class Sharded:
   @property
   def num_devices(self) -> int:
     return int(self.mesh.shape[self.axis])
+
+  @property
+  def _other_axes(self) -> tuple[str, ...]:
+    """The mesh's axes besides the node axis that hold more than one device."""
+    return tuple(a for a in self.mesh.axis_names if a != self.axis and self.mesh.shape[a] > 1)
 
   @property
   def sharding(self) -> NamedSharding:
@@ -169,6 +231,36 @@ class Sharded:
             f"{self.num_devices} devices of mesh axis {self.axis!r} (its leading node axis must be a multiple)"
         )
       return jax.make_array_from_callback(host.shape, self.sharding, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree)
+
+  def shard_batch(self, tree: Any) -> Any:
+    """Places node-stacked batches (nodes, batch, ...) with each node's batch split over its devices.
+
+    On a backend built by `hierarchical`, a node's samples go to its ``devices_per_node``
+    devices, so its gradient is computed in parts and averaged inside the node; elsewhere
+    this is `shard`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, gossipjax as gj
+      >>> k = len(jax.devices())
+      >>> be = gj.backend.hierarchical(k)   # one node made of every device
+      >>> be.shard_batch(jnp.zeros((1, 2 * k, 3))).sharding.spec   # its 2k samples split over them
+      P('nodes', 'data')
+    """
+    if self.data_axis is None:
+      return self.shard(tree)
+    per_node = int(self.mesh.shape[self.data_axis])
+
+    def put(x):
+      host = np.asarray(x)
+      if host.ndim < 2 or host.shape[0] % self.num_devices or host.shape[1] % per_node:
+        raise ValueError(
+            f"gj.backend.hierarchical: a batch of shape {host.shape} cannot be split: its leading node axis must "
+            f"be a multiple of {self.num_devices} nodes and its second (samples) axis a multiple of the "
+            f"{per_node} devices of a node")
+      sharding = NamedSharding(self.mesh, P(self.axis, self.data_axis))
+      return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
     return jax.tree.map(put, tree)
 
@@ -235,12 +327,69 @@ class Sharded:
         # Under jit the inputs are resharded to the specs as needed; called eagerly, shard_map
         # would instead require arguments already placed as the specs say. One jitted function
         # per (fn, in_axes, argument structure): a second eager call does not compile again.
-        body = jax.jit(jax.shard_map(jax.vmap(fn, in_axes=axes), mesh=self.mesh, in_specs=specs, out_specs=P(axis)))
+        # On a mesh with other axes, manual over the node axis only: a node's work (a model
+        # split over a 'model' axis, a batch split over a node's devices) is left to the compiler.
+        extra = {"axis_names": frozenset({axis})} if self._other_axes else {}
+        body = jax.jit(jax.shard_map(jax.vmap(fn, in_axes=axes), mesh=self.mesh, in_specs=specs, out_specs=P(axis),
+                                     **extra))
         self._compiled[key] = body
-      args = tuple(conform(arg, self.mesh, _broadcast_spec(spec, arg)) for arg, spec in zip(args, specs))
+      def keep_layout(spec, x):  # a node-stacked argument keeps its layout on the other axes
+        if spec == P() or not self._other_axes:
+          return spec
+        return leaf_spec(x, self.mesh, axis, where) or spec
+
+      args = tuple(conform(arg, self.mesh, jax.tree.map(keep_layout, _broadcast_spec(spec, arg), arg,
+                                                        is_leaf=lambda v: isinstance(v, P)))
+                   for arg, spec in zip(args, specs))
       return body(*args)
 
     return mapped
+
+
+def hierarchical(devices_per_node: int, *, devices: Any = None, axis: str = "nodes", data_axis: str = "data",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Sharded:
+  """Nodes made of several devices: a node's batch is split over its devices, only nodes gossip.
+
+  The two-level layout of BlueFog's hierarchical neighbour allreduce (Yuan's lecture on
+  decentralized optimization names it): the devices of a node average their gradients
+  among themselves (an all-reduce inside the node, which the compiler inserts when
+  ``backend.map`` computes a node's gradient from its split batch), and nodes exchange
+  params with their neighbours in W (collective-permutes between nodes only). The mesh is
+  ``(len(devices) // devices_per_node, devices_per_node)`` with axes ``(axis, data_axis)``
+  and Auto axis types, devices grouped in order, so with ``jax.distributed`` and
+  ``devices_per_node = jax.local_device_count()`` each host is one node.
+
+  Place params with ``backend.shard`` (a node's params are replicated on its devices) and
+  batches with ``backend.shard_batch``; W is over the nodes.
+
+  Args:
+    devices_per_node: how many devices make one node.
+    devices: the devices to use (default: ``jax.devices()``), a multiple of ``devices_per_node``.
+    axis: the mesh axis of the nodes.
+    data_axis: the mesh axis of a node's devices.
+    bucket_bytes: as in `sharded`.
+
+  Returns:
+    A `Sharded` backend over the two-level mesh.
+
+  Raises:
+    ValueError: ``devices_per_node`` is not a positive divisor of the number of devices.
+
+  Example:
+    >>> import jax, gossipjax as gj
+    >>> be = gj.backend.hierarchical(1)   # every device a node of its own: the plain sharded layout
+    >>> be.mesh.axis_names, be.num_devices == len(jax.devices())
+    (('nodes', 'data'), True)
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, (int, np.integer)) or \
+      devices_per_node < 1 or len(devices) % devices_per_node:
+    raise ValueError(f"gj.backend.hierarchical: devices_per_node must be a positive divisor of the {len(devices)} "
+                     f"devices, got {devices_per_node!r}")
+  auto = jax.sharding.AxisType.Auto
+  mesh = Mesh(np.asarray(devices).reshape(len(devices) // devices_per_node, devices_per_node), (axis, data_axis),
+              axis_types=(auto, auto))
+  return Sharded(mesh, axis, bucket_bytes, data_axis)
 
 
 def sharded(mesh: Mesh, axis: str = "nodes", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Sharded:

@@ -43,7 +43,7 @@ def apply_plan(plan: MixingPlan, x: jax.Array) -> jax.Array:
 def weighted_sum(v: np.ndarray, x: jax.Array) -> jax.Array:
   """``sum_j v[j] x[j]`` over the node axis, shape (1, ...): a plain sum where v is constant, else one row or a dot."""
   if np.all(v == v[0]):
-    return float(v[0]) * jnp.sum(x, axis=0, keepdims=True)
+    return jnp.sum(float(v[0]) * x, axis=0, keepdims=True)  # scaled first: a sum of n large rows could overflow
   nz = np.flatnonzero(v)
   if len(nz) == 1:  # a hub's column: one node's row
     return float(v[nz[0]]) * x[int(nz[0]):int(nz[0]) + 1]

@@ -5,7 +5,8 @@ position in an ``optax.chain`` is the algorithm. `make_mixer` is how an algorith
 `Mixer` for its topology on the backend it was given.
 """
 
-from gossipjax.backend._base import Backend, Mixer
+from gossipjax.backend._base import Backend, Mixer, follow_placement
+from gossipjax.backend._blocks import Wire
 from gossipjax.mixing._contract import float_leaves_only, make_mixer, resolve_backend
 from gossipjax.mixing._mix import MixState, mix
 
@@ -13,7 +14,9 @@ __all__ = (
     "Backend",
     "Mixer",
     "MixState",
+    "Wire",
     "float_leaves_only",
+    "follow_placement",
     "make_mixer",
     "mix",
     "resolve_backend",

@@ -210,3 +210,130 @@ def test_choco_sends_the_compact_form(compressor, compact_bytes):
     want = (optax.apply_updates(want[0], u), s)
   np.testing.assert_allclose(got[0]["w"], want[0]["w"], rtol=0, atol=2e-6)  # float32: a norm's last ulp
   assert float(got[1].message_bits[0]) == 8 * compact_bytes
+
+
+def _collective_lines(compiled_text: str) -> list[str]:
+  return [line for line in compiled_text.split("\n")
+          if re.search(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(?:-start)?\(", line)]
+
+
+@pytest.mark.parametrize("kind", [EXPLICIT, AUTO], ids=["explicit", "auto"])
+def test_a_model_sharded_node_keeps_its_layout_through_the_mixing(kind):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((4, 2), ("nodes", "model"), axis_types=(kind, kind))
+  be = gj.backend.sharded(mesh)
+  rng = np.random.default_rng(0)
+  host = {"w": rng.normal(size=(8, 6, 4)), "b": rng.normal(size=(8, 4)), "v": rng.normal(size=(8, 4, 6))}
+  layout = {"w": P("nodes", "model"), "b": P("nodes"), "v": P("nodes", None, "model")}
+  x = {k: jax.device_put(host[k], NamedSharding(mesh, layout[k])) for k in host}
+  for topo in (T.ring(8), T.one_peer_exponential(8)):
+    tx = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1, backend=be)
+    update = jax.jit(lambda p, s: tx.update(p, s, p))
+    state = tx.init(x)
+    assert [line for line in _collective_lines(update.lower(x, state).compile().as_text())
+            if "collective-permute" not in line] == []  # no all-gather over 'model', no all-reduce
+    u, _ = update(x, state)
+    sim = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1)
+    want, _ = sim.update(host, sim.init(host), host)
+    for k in host:
+      assert u[k].sharding.is_equivalent_to(x[k].sharding, u[k].ndim), (k, u[k].sharding)
+      np.testing.assert_allclose(u[k], want[k], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(cases.ALGORITHMS))
+def test_every_algorithm_on_a_two_axis_mesh_equals_the_simulation(name):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((4, 2), ("nodes", "model"), axis_types=(AUTO, AUTO))
+  be = gj.backend.sharded(mesh)
+  topo = T.one_peer_exponential(8) if cases.applies(name, T.one_peer_exponential(8)) else T.ring(8)
+  rng = np.random.default_rng(1)
+  x0, a, b = rng.normal(size=(8, 4)), rng.normal(size=(8, 6, 4)), rng.normal(size=(8, 6))
+  tx = cases.algorithm(name, topo, be)
+  grad = be.map(jax.grad(lambda xi, ai, bi: 0.5 * jnp.mean((ai @ xi - bi) ** 2)))
+
+  @jax.jit
+  def step(x, state):
+    updates, state = tx.update(grad(x, a, b), state, x)
+    return optax.apply_updates(x, updates), state
+
+  x = jax.device_put(x0, NamedSharding(mesh, P("nodes", "model")))
+  state = tx.init(x)
+  for _ in range(3):
+    x, state = step(x, state)
+  assert x.sharding.is_equivalent_to(NamedSharding(mesh, P("nodes", "model")), 2)
+  np.testing.assert_allclose(x, cases.reference(name, topo, x0, a, b, steps=3)[-1], rtol=0, atol=1e-12)
+
+
+def test_float32_on_a_two_axis_mesh_equals_the_simulation_to_1e5():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((4, 2), ("nodes", "model"))
+  be = gj.backend.sharded(mesh)
+  x0 = np.random.default_rng(2).normal(size=(8, 16)).astype(np.float32)
+  g = 0.1 * x0
+  out = {}
+  for name, backend, x in (("sim", gj.backend.simulate(), x0),
+                           ("sharded", be, jax.device_put(x0, NamedSharding(mesh, P("nodes", "model"))))):
+    tx = gj.gossip_sgd(T.one_peer_exponential(8), beta=0.9, learning_rate=0.1, backend=backend)
+    state = tx.init(x)
+    for _ in range(5):
+      u, state = jax.jit(tx.update)(g, state, x)
+      x = optax.apply_updates(x, u)
+    out[name] = np.asarray(x)
+  np.testing.assert_allclose(out["sharded"], out["sim"], rtol=0, atol=1e-5)
+
+
+def test_hierarchical_gossip_averages_inside_a_node_and_gossips_between_nodes():
+  be = gj.backend.hierarchical(2)  # 4 nodes of 2 devices: devices (0, 1) are node 0, (2, 3) node 1, ...
+  assert dict(be.mesh.shape) == {"nodes": 4, "data": 2}
+  rng = np.random.default_rng(3)
+  x0, a, b = rng.normal(size=(4, 5)), rng.normal(size=(4, 8, 5)), rng.normal(size=(4, 8))
+  loss = lambda xi, ai, bi: 0.5 * jnp.mean((ai @ xi - bi) ** 2)
+  topo = T.ring(4)
+  tx = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1, backend=be)
+  grad = be.map(jax.grad(loss))
+
+  @jax.jit
+  def step(x, state, a, b):
+    updates, state = tx.update(grad(x, a, b), state, x)
+    return optax.apply_updates(x, updates), state
+
+  x, (a_dev, b_dev) = be.shard(x0), be.shard_batch((a, b))
+  assert tuple(a_dev.sharding.spec) == ("nodes", "data")  # a node's 8 samples: 4 on each of its devices
+  state = tx.init(x)
+  lines = _collective_lines(step.lower(x, state, a_dev, b_dev).compile().as_text())
+  node = lambda device: device // 2
+  reduces = [line for line in lines if "all-reduce" in line]
+  permutes = [line for line in lines if "collective-permute" in line]
+  assert reduces and permutes and len(reduces) + len(permutes) == len(lines)  # no all-gather
+  for line in reduces:  # replica groups of 2 consecutive devices: one node's
+    assert re.search(r"replica_groups=(\[4,2\]<=\[8\]|\{\{0,1\},\{2,3\},\{4,5\},\{6,7\}\})", line), line
+  for line in permutes:
+    pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])]
+    assert pairs and all(node(s) != node(t) and s % 2 == t % 2 for s, t in pairs), pairs
+  for _ in range(3):
+    x, state = step(x, state, a_dev, b_dev)
+  # The same as simulating the 4 nodes, each with its whole batch.
+  sim = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1)
+  xs, ss = x0, sim.init(x0)
+  for _ in range(3):
+    u, ss = sim.update(jax.vmap(jax.grad(loss))(xs, a, b), ss, xs)
+    xs = optax.apply_updates(xs, u)
+  np.testing.assert_allclose(x, xs, rtol=0, atol=1e-12)
+
+
+def test_layouts_a_node_axis_cannot_take_are_refused():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((4, 2), ("nodes", "model"), axis_types=(AUTO, AUTO))
+  be = gj.backend.sharded(mesh)
+  mixer = be.mixer(T.ring(8))
+  split = jax.device_put(np.ones((8, 4)), NamedSharding(mesh, P(("nodes", "model"))))
+  with pytest.raises(ValueError, match=r"^gj\.backend\.sharded.*splits its node axis over the mesh axes"):
+    mixer.mix({"w": split}, 0)
+  with pytest.raises(ValueError, match=r"^gj\.backend\.hierarchical: devices_per_node must be a positive divisor"):
+    gj.backend.hierarchical(3)
+  with pytest.raises(ValueError, match=r"^gj\.backend\.hierarchical: a batch of shape \(4, 7, 5\) cannot be split"):
+    gj.backend.hierarchical(2).shard_batch(np.ones((4, 7, 5)))

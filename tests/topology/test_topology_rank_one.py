@@ -114,3 +114,19 @@ def test_rho_of_large_tori_is_an_fft_and_of_large_grids_a_shift_invert():
   # Uniform torus weights 1/5: lambda = (1 + 2 cos(2 pi a / r) + 2 cos(2 pi b / c)) / 5, largest off (0, 0).
   assert torus == pytest.approx((1 + 2 * math.cos(2 * math.pi / 256) + 2) / 5, abs=1e-12)
   assert 1 - 1e-4 < grid < 1
+
+
+def test_exact_averaging_of_large_values_does_not_overflow():
+  """complete(n) scales each row before summing, as a ring does: n rows near float32's max stay finite."""
+  import jax
+  import jax.numpy as jnp
+
+  import gossipjax as gj
+
+  x = jnp.full((8, 2), 3e38, jnp.float32)
+  mixed = gj.backend.simulate().mixer(T.complete(8)).mix(x, 0)
+  one_device = jax.pmap(lambda b: gj.backend.pmapped(axis_size=1).mixer(T.complete(8)).mix(b, 0), axis_name="nodes",
+                        devices=jax.devices()[:1])(x[None])[0]
+  for out in (mixed, one_device):
+    assert bool(jnp.isfinite(out).all())
+    np.testing.assert_allclose(out, x, rtol=1e-6)
