@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--devices", type=_integer(1, "a positive integer"), default=None,
                  help="sharded: how many devices to split the nodes over (default: all; on a CPU host, "
                       "that many CPU devices are made)")
+  t.add_argument("--devices-per-node", type=_integer(1, "a positive integer"), default=1,
+                 help="sharded: devices that make one node (a node's batch is split over them and its "
+                      "gradient averaged inside it; only nodes gossip): --devices / this many nodes are spread "
+                      "over the devices")
   t.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="an MLP with one hidden layer, or a small CNN")
   t.add_argument("--algorithms", type=_names("algorithm", tuple(ALGORITHMS)),
                  default=["allreduce", "dpsgd", "dmsgd", "decentlam"], help=f"comma-separated, from: {', '.join(ALGORITHMS)}")
@@ -147,6 +151,11 @@ def _check_args(args: argparse.Namespace) -> None:
     fail(f"argument --checkpoint-every: {args.checkpoint_every} must be a multiple of --log-every ({args.log_every})")
   if args.devices is not None and args.backend != "sharded":
     fail(f"argument --devices: only the sharded backend takes it, not --backend {args.backend}")
+  if args.devices_per_node > 1 and args.backend != "sharded":
+    fail(f"argument --devices-per-node: only the sharded backend takes it, not --backend {args.backend}")
+  if args.batch_size % args.devices_per_node:
+    fail(f"argument --devices-per-node: a node's batch of {args.batch_size} (--batch-size) must split evenly over "
+         f"its {args.devices_per_node} devices")
   if args.allow_changed_options and not args.resume:
     fail("argument --allow-changed-options: only with --resume")
   if args.resume and args.out is None:
@@ -228,6 +237,11 @@ def _make_backend(args: argparse.Namespace):
   if k > len(devices):
     args.parser.error(f"argument --devices: {k} asked for, but only {len(devices)} {jax.default_backend()} "
                       "device(s) are visible")
+  per_node = args.devices_per_node
+  if k % per_node:
+    args.parser.error(f"argument --devices-per-node: {per_node} does not divide the {k} devices")
+  if per_node > 1:
+    return gj.backend.hierarchical(per_node, devices=devices[:k])
   mesh = jax.make_mesh((k,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices[:k])
   return gj.backend.sharded(mesh)
 
@@ -353,6 +367,7 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
   metrics_path, plot_path = os.path.join(args.out, "metrics.json"), os.path.join(args.out, "plot.png")
   config = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
   config["devices"] = placement.num_devices
+  config["devices_per_node"] = args.devices_per_node
   write_metrics(metrics_path, {**config, "skipped": skipped}, results)
   where = (f"{args.backend} on {placement.num_devices} {placement.unit}" if placement.num_devices > 1
            else args.backend)

@@ -282,7 +282,7 @@ def run(
 
   def one_step(carry, k):
     params, opt_state = carry
-    xb, yb = placement.local(sample_batches(data, jax.random.fold_in(batch_key, k), cfg.batch_size))
+    xb, yb = placement.batch(sample_batches(data, jax.random.fold_in(batch_key, k), cfg.batch_size))
     loss, grads = loss_and_grad(params, xb, yb)
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss

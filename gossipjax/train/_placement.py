@@ -67,6 +67,16 @@ class Placement:
       return jax.tree.map(lambda x: x[rows], tree)
     return tree
 
+  def batch(self, tree: Any) -> Any:
+    """This process's share of a node-stacked batch (traceable); with nodes made of several
+    devices (`gj.backend.hierarchical`), each node's samples split over its devices."""
+    tree = self.local(tree)
+    if isinstance(self.backend, Sharded) and self.backend.data_axis is not None:
+      sharding = jax.sharding.NamedSharding(self.backend.mesh, jax.sharding.PartitionSpec(
+          self.backend.axis, self.backend.data_axis))
+      return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+    return tree
+
   def place(self, tree: Any) -> Any:
     """Global node-stacked host values -> this process's arrays, on its devices."""
     if isinstance(self.backend, Sharded):

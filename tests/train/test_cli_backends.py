@@ -9,7 +9,8 @@ from _launch import run as run_command
 
 
 ARGS = ["train", "--nodes", "8", "--steps", "50", "--log-every", "25", "--no-progress", "--checkpoint-every", "0",
-        "--algorithms", "dmsgd,gradient_tracking", "--topologies", "ring,one_peer_exponential"]
+        "--algorithms", "dmsgd,gradient_tracking,diloco,noloco", "--inner-steps", "5", "--topologies",
+        "ring,one_peer_exponential"]
 
 
 def _launch(cmd, timeout):
@@ -42,6 +43,16 @@ def test_sharded_main_job_equals_the_simulation(simulated, tmp_path):
   _launch([BIN / "gossipjax"] + ARGS + ["--backend", "sharded", "--devices", "4", "--out", str(tmp_path)], 300)
   got = json.loads((tmp_path / "metrics.json").read_text())
   assert got["config"]["devices"] == 4 and got["config"]["backend"] == "sharded"
+  _assert_same_metrics(got, simulated)
+
+
+@pytest.mark.slow
+def test_nodes_of_two_devices_equal_the_simulation(simulated, tmp_path):
+  """--devices-per-node 2: 4 groups of 2 devices, each node's batch split over its group's devices."""
+  _launch([BIN / "gossipjax"] + ARGS + ["--backend", "sharded", "--devices", "8", "--devices-per-node", "2",
+                                        "--out", str(tmp_path)], 300)
+  got = json.loads((tmp_path / "metrics.json").read_text())
+  assert got["config"]["devices"] == 4 and got["config"]["devices_per_node"] == 2
   _assert_same_metrics(got, simulated)
 
 
