@@ -180,7 +180,7 @@ def evaluate_mean(metric_fn: Callable[[Any, Any], Any], params: Any, batch: Any)
   return metric_fn(node_mean(params), batch)
 
 
-def per_node(tx: optax.GradientTransformation, backend: Any = None) -> optax.GradientTransformationExtraArgs:
+def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax transform so that ``init`` and ``update`` act on each node on its own.
 
   A transform that reduces over the whole tree sees the stacked node axis as part of one

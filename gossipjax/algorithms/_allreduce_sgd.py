@@ -28,7 +28,7 @@ def allreduce_sgd(
     *,
     learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Parallel momentum SGD (PmSGD / AllReduce-SGD), the centralized baseline.
 
   .. math::

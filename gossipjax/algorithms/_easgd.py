@@ -10,7 +10,7 @@ import optax
 from jax import lax
 
 from gossipjax._validation import check_in_range, check_learning_rate, check_period, require_node_axis, require_params
-from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.algorithms._common import copy_of, is_abstract, learning_rate_at
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 
 
@@ -98,7 +98,7 @@ def easgd(
 
   def init_fn(params):
     require_node_axis(params, "gj.easgd")
-    return EASGDState(count=jnp.zeros([], jnp.int32), center=backend.mean(params))
+    return EASGDState(count=jnp.zeros([], jnp.int32), center=copy_of(params) if is_abstract(params) else backend.mean(params))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args

@@ -10,7 +10,7 @@ import optax
 
 from gossipjax._validation import (check_learning_rate, check_node_axis, require_params, require_static,
                                    require_symmetric)
-from gossipjax.algorithms._common import learning_rate_at
+from gossipjax.algorithms._common import copy_of, learning_rate_at
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 
 
@@ -92,7 +92,7 @@ def exact_diffusion(
 
   def init_fn(params):
     # A copy, not a view: a jitted step that donates both params and state needs distinct buffers.
-    return ExactDiffusionState(count=jnp.zeros([], jnp.int32), psi=jax.tree.map(jnp.copy, params))
+    return ExactDiffusionState(count=jnp.zeros([], jnp.int32), psi=copy_of(params))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args

@@ -17,7 +17,7 @@ def gossip_sgd(
     *,
     learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Decentralized momentum SGD (DmSGD); D-PSGD when ``beta = 0``.
 
   Per node i, with ``g_i`` its stochastic gradient (Yuan et al. 2021, Algorithm 1; Lian et

@@ -13,6 +13,7 @@ from jax import lax
 from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._nodes import per_node
 from gossipjax._validation import check_in_range, check_node_axis, check_period, require_params
+from gossipjax.algorithms._common import copy_of
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
 from gossipjax.topology import as_topology
 
@@ -142,7 +143,7 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
   inner_steps = check_period(inner_steps, name, "inner_steps")
   backend = resolve_backend(backend)
   mixer = None if topology is None else make_mixer(topology, backend)
-  inner_pn, outer_pn = per_node(inner, backend), per_node(outer, backend)
+  inner_pn, outer_pn = per_node(inner, backend=backend), per_node(outer, backend=backend)
 
   def stacked_init(tx, params, arg):
     try:
@@ -154,7 +155,7 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
   def init_fn(params):
     return OuterState(
         count=jnp.zeros([], jnp.int32),
-        anchor=jax.tree.map(lambda x: jnp.array(x, copy=True), params),
+        anchor=copy_of(params),
         inner_state=stacked_init(inner_pn, params, "inner"),
         outer_state=stacked_init(outer_pn, params, "outer"),
     )

@@ -25,7 +25,7 @@ class PeriodicAverageState(NamedTuple):
   count: jax.Array
 
 
-def periodic_average(every: int, backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
+def periodic_average(every: int, *, backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
   r"""Replaces every node's model by the global average every ``every`` steps.
 
   Chained after any gossip method, this is decentralized SGD with periodic global

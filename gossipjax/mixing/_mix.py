@@ -27,7 +27,7 @@ class MixState(NamedTuple):
   count: jax.Array  # steps taken; selects W(k) for time-varying topologies
 
 
-def mix(topology: Any, every: int = 1, backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
+def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
   r"""Turns a local update ``u`` into a gossiped one: ``u' = W(x + u) - x``.
 
   Applied after a local optimizer, ``x + u' = W(x + u)``: every node takes its local step,

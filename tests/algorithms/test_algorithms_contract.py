@@ -181,6 +181,9 @@ def test_donated_step_and_eval_shape(method):
   params, grads = small_problem()
   state = tx.init(params)
   assert leaf_types(jax.eval_shape(tx.init, params)) == leaf_types(state)
+  # init on abstract params (shapes without values), as optax's own transforms take them
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  assert leaf_types(tx.init(abstract)) == leaf_types(state)
   shapes = jax.eval_shape(tx.update, grads(0), state, params)
   assert leaf_types(shapes) == leaf_types(tx.update(grads(0), state, params))
 

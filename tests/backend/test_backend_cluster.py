@@ -128,7 +128,7 @@ def test_unplaced_params_are_placed_under_jit_on_an_explicit_mesh():
 
 def test_sharded_map_compiles_once_per_function():
   be = gj.backend.sharded(_mesh(EXPLICIT))
-  tx = gj.per_node(optax.adam(1e-3), be)
+  tx = gj.per_node(optax.adam(1e-3), backend=be)
   x = be.shard(jnp.ones((16, 3)))
   tx.init(x)
   before = len(be._compiled)
