@@ -7,6 +7,7 @@ leading node axis; a topology (the mixing matrix W) says who averages with whom.
 from gossipjax import algorithms, asynchrony, backend, checkpoint, compress, data, mixing, topology
 from gossipjax._guard import GuardFiniteState, SkipNodes, check_guard, guard_finite, nonfinite_counts, zero_skipped
 from gossipjax._nodes import (
+    chain,
     check_finite,
     consensus_distance,
     evaluate_mean,
@@ -42,6 +43,7 @@ from gossipjax.algorithms import (
     qg_dmsgd,
     sgp,
 )
+from gossipjax._transform import NodeTransformation
 from gossipjax.mixing import MixState, mix
 
 __version__ = "0.1.0"
@@ -55,6 +57,7 @@ __all__ = (
     "GradientTrackingState",
     "GuardFiniteState",
     "MixState",
+    "NodeTransformation",
     "OuterState",
     "PeriodicAverageState",
     "QGMomentumState",
@@ -64,6 +67,7 @@ __all__ = (
     "allreduce_sgd",
     "asynchrony",
     "backend",
+    "chain",
     "check_finite",
     "check_guard",
     "checkpoint",

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gossipjax._transform import NodeTransformation
 from gossipjax.backend._base import follow_placement
 
 
@@ -210,7 +211,7 @@ def guard_finite(inner: optax.GradientTransformation,
         max_consecutive=state.max_consecutive,
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return NodeTransformation(init_fn, update_fn)
 
 
 def _find_guard_state(state: Any) -> GuardFiniteState:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gossipjax._transform import NodeTransformation
 from gossipjax.mixing import resolve_backend
 
 
@@ -180,7 +181,7 @@ def evaluate_mean(metric_fn: Callable[[Any, Any], Any], params: Any, batch: Any)
   return metric_fn(node_mean(params), batch)
 
 
-def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> optax.GradientTransformationExtraArgs:
+def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> NodeTransformation:
   """Wraps an optax transform so that ``init`` and ``update`` act on each node on its own.
 
   A transform that reduces over the whole tree sees the stacked node axis as part of one
@@ -229,4 +230,38 @@ def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> optax.
     one = lambda u, s, p: inner.update(u, s, p, **extra_args)
     return backend.map(one, in_axes=(0, 0, None if params is None else 0))(updates, state, params)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return NodeTransformation(init_fn, update_fn)
+
+
+def chain(*transforms: optax.GradientTransformation, backend: Any = None) -> NodeTransformation:
+  """``optax.chain`` for node-stacked params: every transform that is not node-aware runs per node.
+
+  The node axis is the leading axis of every leaf, so an optax transform that reduces over
+  the whole tree (``clip_by_global_norm``, ``apply_if_finite``, ``lamb``, ``lars``,
+  ``adafactor``'s factored moments) would reduce across nodes: one node's NaN would stop
+  every node, and one norm would clip them all. ``gj.chain`` wraps each such transform in
+  `per_node`, so each node's update is the transform run on that node alone; gossipjax's
+  own transforms (`NodeTransformation`: `mix`, the algorithms, `per_node`, `guard_finite`,
+  anything wrapped in ``gj.mixing.float_leaves_only``) are left as they are. Elementwise
+  transforms (``sgd``, ``adam``) give the same numbers either way.
+
+  Args:
+    *transforms: optax transforms, in order, as for ``optax.chain``.
+    backend: where the nodes live, for the per-node transforms (use the backend the gossip
+      transforms were given; default: ``gj.backend.simulate()``).
+
+  Returns:
+    The chained transform, a `NodeTransformation`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> g = jnp.array([[3.0, 4.0], [0.3, 0.4]])      # node 0's norm is 5, node 1's is 0.5
+    >>> tx = gj.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0), gj.mix(gj.topology.complete(2)))
+    >>> x = jnp.zeros((2, 2))
+    >>> u, _ = tx.update(g, tx.init(x), x)
+    >>> [round(float(v), 2) for v in u[0]]          # the average of -[0.6, 0.8] and -[0.3, 0.4]
+    [-0.45, -0.6]
+  """
+  parts = [t if isinstance(t, NodeTransformation) else per_node(t, backend=backend) for t in transforms]
+  chained = optax.chain(*parts)
+  return NodeTransformation(chained.init, chained.update)

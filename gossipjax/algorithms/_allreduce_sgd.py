@@ -7,6 +7,7 @@ from typing import Any
 import optax
 
 from gossipjax._validation import check_learning_rate, check_momentum, require_node_axis
+from gossipjax._transform import NodeTransformation
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 
 
@@ -89,4 +90,4 @@ def _node_axis_checked(tx: optax.GradientTransformationExtraArgs, name: str) -> 
     require_node_axis(updates, name, "updates")
     return tx.update(updates, state, params, **extra_args)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return NodeTransformation(init_fn, update_fn)

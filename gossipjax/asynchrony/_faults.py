@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gossipjax._transform import NodeTransformation
 from gossipjax.asynchrony._plans import plan_table
 
 
@@ -307,4 +308,4 @@ def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
 
     return jax.tree.map(leaf, params, updates), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return NodeTransformation(init_fn, update_fn)

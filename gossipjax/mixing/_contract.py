@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gossipjax._transform import NodeTransformation
 from gossipjax.backend import Backend, Mixer, simulate
 from gossipjax.topology import as_topology
 from gossipjax.topology._topology import Stochasticity
@@ -70,8 +71,7 @@ def _is_float(leaf: Any) -> bool:
   return dtype is None or jnp.issubdtype(dtype, jnp.inexact)
 
 
-def float_leaves_only(tx: optax.GradientTransformation, keep_other_updates: bool = False
-                      ) -> optax.GradientTransformationExtraArgs:
+def float_leaves_only(tx: optax.GradientTransformation, keep_other_updates: bool = False) -> NodeTransformation:
   """``tx`` on the floating-point leaves of the params; integer, bool and PRNG-key leaves are left alone.
 
   Such a leaf (a step counter, a flax RNG count) is not a quantity to average: gossip
@@ -122,4 +122,4 @@ def float_leaves_only(tx: optax.GradientTransformation, keep_other_updates: bool
 
     return jax.tree.map(fill, like, new, updates), state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return NodeTransformation(init_fn, update_fn)
