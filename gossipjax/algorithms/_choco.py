@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gossipjax._validation import check_in_range, check_learning_rate, check_node_axis, require_params
@@ -35,28 +36,39 @@ class ChocoState(NamedTuple):
   count: jax.Array
   public: Any  # x_hat_i: the copy of x_i that node i and its neighbours share
   neighbour_sum: Any  # s_i = sum_j w_ij x_hat_j, kept up to date from the compressed messages
-  key: jax.Array  # (nodes, 2) uint32: node i's base key, fold_in(PRNGKey(seed), i)
+  key: jax.Array  # (nodes, 2) uint32: node i's base key, fold_in(key, i)
   message_bits: jax.Array  # (nodes,) bits of the message q_i each node sent in the last step
+
+
+def _raw_key(key: Any, name: str) -> jax.Array:
+  """A PRNG key as raw uint32 words: from an int seed, a typed key (``jax.random.key``) or a raw key."""
+  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    return jax.random.PRNGKey(int(key))
+  if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+    return jax.random.key_data(key)
+  if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.ndim == 1:
+    return jnp.asarray(key)
+  raise TypeError(f"{name}: key must be an int seed or one PRNG key (jax.random.key(0)), got {key!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class _DecodeReceived:
   """What a receiver does with the compact parts of one leaf: rebuild each sender's key and decode.
 
-  Node j compresses step k with ``fold_in(fold_in(PRNGKey(seed), j), k)``, so a receiver that
+  Node j compresses step k with ``fold_in(fold_in(key, j), k)``, so a receiver that
   knows the sender needs no key on the wire. Static data (equal configurations compare equal),
   so a backend's compiled mixing is reused from step to step.
   """
 
   compressor: Compressor
-  seed: int
+  base: tuple[int, ...]  # the transform's key, as raw uint32 words
   like: tuple[tuple[tuple[int, ...], Any], ...]  # one node's leaves: (shape, dtype)
 
   def __call__(self, i: int, parts: tuple[jax.Array, ...], senders: jax.Array, count: jax.Array) -> jax.Array:
     shape, dtype = self.like[i]
 
     def one(p, j):
-      key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.seed), j), count)
+      key = jax.random.fold_in(jax.random.fold_in(jnp.asarray(self.base, jnp.uint32), j), count)
       return self.compressor.decode_leaf(p, leaf_keys(key, len(self.like))[i], shape, dtype)
 
     return jax.vmap(one)(parts, senders)
@@ -68,7 +80,8 @@ def choco_sgd(
     *,
     learning_rate: optax.ScalarOrSchedule,
     consensus_step: float,
-    seed: int = 0,
+    key: jax.Array | int = 0,
+    seed: int | None = None,
     backend: Backend | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""CHOCO-SGD (Koloskova, Stich and Jaggi, ICML 2019, Algorithm 2).
@@ -110,7 +123,9 @@ def choco_sgd(
     learning_rate: a float or an optax schedule.
     compressor: a ``gj.compress`` compressor, e.g. ``gj.compress.top_k(0.1)``.
     consensus_step: ``eta`` in (0, 1]; ``eta = 1`` with ``gj.compress.identity()`` is D-PSGD.
-    seed: seeds the per-node PRNG keys of random compressors.
+    key: the PRNG key (``jax.random.key(0)``, a raw ``PRNGKey``, or an int seed) of random
+      compressors; node i draws from ``fold_in(key, i)``.
+    seed: an int seed, the same as ``key=seed`` (give one or the other).
     backend: where the nodes live (default: simulate).
 
   Returns:
@@ -138,6 +153,9 @@ def choco_sgd(
   check_in_range(consensus_step, "gj.choco_sgd", "consensus_step", 0.0, 1.0, low_open=True)
   mixer = make_mixer(topology, backend)
   contraction = compressor.contraction()
+  base_key = _raw_key(key if seed is None else seed, "gj.choco_sgd")
+  if seed is not None and not (isinstance(key, int) and key == 0):
+    raise ValueError("gj.choco_sgd: give key or seed, not both (seed=s is key=s)")
   # Compression is per node; the backend's map keeps it on the device that holds the node (a
   # vmapped top-k or random permutation over a sharded node axis would otherwise be all-gathered).
   node_map = resolve_backend(backend).map
@@ -150,7 +168,7 @@ def choco_sgd(
         public=optax.tree.zeros_like(params),
         neighbour_sum=optax.tree.zeros_like(params),
         # Keyed by the global node index, so a node draws the same bits on every backend.
-        key=jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(mixer.first_node() + jnp.arange(n)),
+        key=jax.vmap(lambda i: jax.random.fold_in(base_key, i))(mixer.first_node() + jnp.arange(n)),
         message_bits=jnp.zeros([n], float),
     )
     return state._replace(**follow_placement({"key": state.key, "message_bits": state.message_bits}, params))
@@ -174,7 +192,7 @@ def choco_sgd(
     if mixer.topology.is_time_varying:
       neighbour_sum = mixer.mix(public, state.count)
     else:
-      decode = _DecodeReceived(contraction, seed, like)
+      decode = _DecodeReceived(contraction, tuple(np.asarray(base_key).tolist()), like)
       wire = Wire([tuple(c) for c in treedef.flatten_up_to(compact)], decode, state.count)
       neighbour_sum = jax.tree.map(lambda s, wq: s + wq, state.neighbour_sum, mixer.mix(q, state.count, wire))
     eta = consensus_step

@@ -217,3 +217,19 @@ def test_choco_orders_its_steps_as_the_paper_not_as_the_authors_code():
   np.testing.assert_allclose(np.asarray(ours[-1]), atc, rtol=0, atol=1e-9)
   np.testing.assert_allclose(code_order[-1], cta, rtol=0, atol=1e-9)
   assert np.abs(atc - cta).max() > 1e-4  # two different limits
+
+
+def test_choco_takes_a_typed_key_a_raw_key_or_an_int():
+  x = jnp.ones((N, 6))
+  runs = []
+  for key in (3, jax.random.key(3), jax.random.PRNGKey(3)):
+    tx = gj.choco_sgd(T.ring(N), gj.compress.random_k(0.5), learning_rate=0.1, consensus_step=0.5, key=key)
+    runs.append(tx.update(0.1 * x, tx.init(x), x)[0])
+  tx = gj.choco_sgd(T.ring(N), gj.compress.random_k(0.5), learning_rate=0.1, consensus_step=0.5, seed=3)
+  runs.append(tx.update(0.1 * x, tx.init(x), x)[0])
+  for u in runs[1:]:
+    np.testing.assert_array_equal(u, runs[0])
+  with pytest.raises(ValueError, match="^gj.choco_sgd: give key or seed, not both"):
+    gj.choco_sgd(T.ring(N), gj.compress.random_k(0.5), learning_rate=0.1, consensus_step=0.5, key=1, seed=3)
+  with pytest.raises(TypeError, match="^gj.choco_sgd: key must be"):
+    gj.choco_sgd(T.ring(N), gj.compress.random_k(0.5), learning_rate=0.1, consensus_step=0.5, key="a")
