@@ -1,7 +1,7 @@
 """Where the nodes live: one device (simulate), sharded devices, pmap, or MPI ranks."""
 
 from gossipjax.backend import _cpu_threads
-from gossipjax.backend._base import Backend, Mixer
+from gossipjax.backend._base import Backend, Mixer, current, use
 from gossipjax.backend._mpi import LAUNCH_ENV as mpi_launch_env
 from gossipjax.backend._mpi import Mpi, mpi
 from gossipjax.backend._mpi_fault import abort_on_error as mpi_abort_on_error
@@ -21,6 +21,7 @@ __all__ = (
     "Pmapped",
     "Sharded",
     "Simulate",
+    "current",
     "hierarchical",
     "mpi",
     "mpi_abort_on_error",
@@ -29,4 +30,5 @@ __all__ = (
     "pmapped",
     "sharded",
     "simulate",
+    "use",
 )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import jax
 
@@ -48,8 +50,12 @@ class Mixer(Protocol):
     ...
 
 
+@runtime_checkable
 class Backend(Protocol):
   """Where the nodes live. Backends are data (frozen dataclasses), not callables.
+
+  A protocol: a class of your own with these four methods is a backend, as the built-in
+  ones are (nothing needs to inherit from this class).
 
   A backend provides what the algorithms need besides the math: a `Mixer` per topology,
   the all-reduce ``mean``, the local block size and ``map`` for per-node work. The
@@ -142,3 +148,45 @@ def follow_placement(tree: Any, params: Any) -> Any:
     return jax.device_put(x, target)
 
   return jax.tree.map(put, tree)
+
+
+_CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("gossipjax_backend", default=None)
+
+
+@contextlib.contextmanager
+def use(backend: Backend) -> Iterator[Backend]:
+  """Within the block, every transform built without ``backend=`` runs on ``backend``.
+
+  One place to choose where the nodes live: the algorithms, `gj.mix`, `gj.per_node`,
+  `gj.chain` and the averages built inside the block take this backend (an explicit
+  ``backend=`` still wins). The choice is made when a transform is built, so a transform
+  keeps its backend after the block ends.
+
+  Args:
+    backend: a backend (``gj.backend.sharded(mesh)``, ``gj.backend.mpi()``, ... or your own
+      class with ``mixer``, ``mean``, ``local_nodes`` and ``map``).
+
+  Yields:
+    ``backend``.
+
+  Example:
+    >>> import jax, gossipjax as gj
+    >>> be = gj.backend.sharded(jax.make_mesh((len(jax.devices()),), ("nodes",)))
+    >>> with gj.backend.use(be):
+    ...   tx = gj.gossip_sgd(gj.topology.ring(2 * be.num_devices), learning_rate=0.1)
+    ...   clip = gj.per_node(__import__("optax").clip_by_global_norm(1.0))
+    >>> gj.mixing.resolve_backend(None)   # outside the block: the simulation again
+    Simulate()
+  """
+  if not isinstance(backend, Backend):
+    raise TypeError(f"gj.backend.use: {backend!r} is not a backend: it needs mixer, mean, local_nodes and map")
+  token = _CURRENT.set(backend)
+  try:
+    yield backend
+  finally:
+    _CURRENT.reset(token)
+
+
+def current() -> Any:
+  """The backend of the innermost `use` block, or ``None`` outside one."""
+  return _CURRENT.get()

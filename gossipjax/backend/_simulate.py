@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gossipjax.backend._base import node_sharding
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import accumulation_dtype
 from gossipjax.topology import MixingPlan, Topology
@@ -60,6 +62,25 @@ def scale_rows(u: np.ndarray, total: jax.Array, like: jax.Array) -> jax.Array:
   return _weight(u, like) * total
 
 
+def warn_if_placed(tree: Any, topology_name: str) -> None:
+  """Warns, with the fix, when params sharded over a mesh reach a transform built for the simulation.
+
+  It would still compute the right numbers, but as one program over all nodes that the
+  compiler partitions (gathering rows), not as neighbour exchanges: the transform was built
+  without ``backend=``.
+  """
+  for leaf in jax.tree.leaves(tree):
+    sharding = node_sharding(leaf)
+    if sharding is not None and sharding.mesh.shape[sharding.spec[0]] > 1:
+      warnings.warn(
+          f"gj.backend.simulate: the params mixed over {topology_name} are sharded over mesh axis "
+          f"{sharding.spec[0]!r}, but the transform was built for the simulation (no backend=); build it "
+          f"with backend=gj.backend.sharded(mesh, axis={sharding.spec[0]!r}), or inside "
+          f"`with gj.backend.use(gj.backend.sharded(mesh)):`, so that mixing is neighbour exchanges",
+          stacklevel=3)
+      return
+
+
 @dataclasses.dataclass(frozen=True)
 class SimulateMixer:
   topology: Topology
@@ -73,6 +94,7 @@ class SimulateMixer:
 
   def mix(self, tree: Any, step: jax.Array | int = 0, wire: Any = None) -> Any:
     del wire  # every node is here: the dense rows are mixed, and a compact form has nothing to cross
+    warn_if_placed(tree, self.topology.name)
     plans = self.topology.plans()
     apply = lambda p: (lambda t: jax.tree.map(lambda x: apply_plan(p, x), t))
     if len(plans) == 1:

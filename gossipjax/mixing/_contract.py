@@ -15,25 +15,37 @@ import optax
 
 from gossipjax._transform import NodeTransformation
 from gossipjax.backend import Backend, Mixer, simulate
+from gossipjax.backend._base import current
 from gossipjax.topology import as_topology
 from gossipjax.topology._topology import Stochasticity
 
 
 def resolve_backend(backend: Backend | None) -> Backend:
-  """The backend a transform runs on: the one given, else ``gj.backend.simulate()``.
+  """The backend a transform runs on: the one given, else the innermost ``gj.backend.use`` block's, else simulate.
 
   Args:
-    backend: a backend (``gj.backend.*``), or ``None``.
+    backend: a backend (``gj.backend.*`` or any class with ``mixer``, ``mean``,
+      ``local_nodes`` and ``map``), or ``None``.
 
   Returns:
-    ``backend``, or a new ``gj.backend.simulate()`` when it is ``None``.
+    ``backend``; for ``None``, the backend of the enclosing ``with gj.backend.use(...)``
+    block, or a new ``gj.backend.simulate()``.
+
+  Raises:
+    TypeError: ``backend`` lacks a method of the backend protocol.
 
   Example:
     >>> import gossipjax as gj
     >>> gj.mixing.resolve_backend(None)
     Simulate()
   """
-  return simulate() if backend is None else backend
+  if backend is None:
+    backend = current()
+    return simulate() if backend is None else backend
+  if not isinstance(backend, Backend):
+    raise TypeError(f"gj: backend={backend!r} is not a backend: it needs the methods mixer, mean, local_nodes and "
+                    "map (gj.backend.simulate(), sharded(mesh), pmapped(), mpi(), or a class of your own)")
+  return backend
 
 
 def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stochasticity = "doubly") -> Mixer:
