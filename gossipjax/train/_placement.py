@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gossipjax.backend import Backend, Mpi, Sharded, Simulate
+from gossipjax.backend import Backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,37 +32,46 @@ class Placement:
   num_nodes: int
 
   def __post_init__(self):
-    if not isinstance(self.backend, (Simulate, Sharded, Mpi)):
-      raise TypeError(f"the main job runs on gj.backend.simulate(), sharded(mesh) or mpi(), got {self.backend!r}")
+    if not isinstance(self.backend, Backend):
+      raise TypeError(f"the main job needs a backend (mixer, mean, local_nodes and map), got {self.backend!r}")
     k = self.num_devices
     if self.num_nodes % k:
       raise ValueError(f"{self.num_nodes} nodes do not split evenly over {k} {self.unit}; "
                        f"use a multiple of {k} nodes")
 
+  # What a backend offers beyond the protocol says how the job places nodes: a ``comm`` and
+  # ``node_slice`` (each process holds a block, as under MPI), or ``shard`` (global arrays
+  # placed on a mesh); a backend with neither holds every node in this process.
+  @property
+  def _ranks(self) -> bool:
+    return hasattr(self.backend, "comm") and hasattr(self.backend, "node_slice")
+
+  @property
+  def _placed(self) -> bool:
+    return hasattr(self.backend, "shard") and not self._ranks
+
   @property
   def num_devices(self) -> int:
-    if isinstance(self.backend, Sharded):
-      return self.backend.num_devices
-    if isinstance(self.backend, Mpi):
-      return self.backend.size
-    return 1
+    if self._ranks:
+      return int(self.backend.comm.Get_size())
+    return int(getattr(self.backend, "num_devices", 1))
 
   @property
   def unit(self) -> str:
-    return {Sharded: "devices", Mpi: "MPI ranks"}.get(type(self.backend), "devices")
+    return "MPI ranks" if self._ranks else "devices"
 
   @property
   def is_main(self) -> bool:
     """The process that writes files, prints and shows progress (MPI rank 0; otherwise the only one)."""
-    return not isinstance(self.backend, Mpi) or self.backend.rank == 0
+    return not self._ranks or int(self.backend.comm.Get_rank()) == 0
 
   @property
   def first_node(self) -> int:
-    return self.backend.node_slice(self.num_nodes).start if isinstance(self.backend, Mpi) else 0
+    return self.backend.node_slice(self.num_nodes).start if self._ranks else 0
 
   def local(self, tree: Any) -> Any:
     """This process's share of a tree whose every leaf has the global node axis first (traceable)."""
-    if isinstance(self.backend, Mpi):
+    if self._ranks:
       rows = self.backend.node_slice(self.num_nodes)
       return jax.tree.map(lambda x: x[rows], tree)
     return tree
@@ -71,7 +80,7 @@ class Placement:
     """This process's share of a node-stacked batch (traceable); with nodes made of several
     devices (`gj.backend.hierarchical`), each node's samples split over its devices."""
     tree = self.local(tree)
-    if isinstance(self.backend, Sharded) and self.backend.data_axis is not None:
+    if self._placed and getattr(self.backend, "data_axis", None) is not None:
       sharding = jax.sharding.NamedSharding(self.backend.mesh, jax.sharding.PartitionSpec(
           self.backend.axis, self.backend.data_axis))
       return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
@@ -79,7 +88,7 @@ class Placement:
 
   def place(self, tree: Any) -> Any:
     """Global node-stacked host values -> this process's arrays, on its devices."""
-    if isinstance(self.backend, Sharded):
+    if self._placed:
       return self.backend.shard(tree)
     return jax.tree.map(jnp.asarray, self.local(tree))
 
@@ -89,14 +98,14 @@ class Placement:
 
   def gather(self, tree: Any) -> Any:
     """Every node's values, in node order, on every process (MPI: an all-gather of the blocks)."""
-    if isinstance(self.backend, Mpi):
+    if self._ranks:
       blocks = self.backend.comm.allgather(jax.tree.map(np.asarray, tree))
       return jax.tree.map(lambda *b: jnp.asarray(np.concatenate(b)), *blocks)
     return tree
 
   def total(self, value: int) -> int:
     """A per-process count summed over processes."""
-    if isinstance(self.backend, Mpi):
+    if self._ranks:
       return int(self.backend.comm.allreduce(int(value)))
     return int(value)
 
@@ -107,7 +116,7 @@ class Placement:
       check(*args)
     except FloatingPointError as e:
       error = str(e)
-    if isinstance(self.backend, Mpi):
+    if self._ranks:
       errors = [e for e in self.backend.comm.allgather(error) if e is not None]
       error = errors[0] if errors else None
     if error is not None:

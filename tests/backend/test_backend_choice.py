@@ -1,0 +1,72 @@
+"""One place to choose the backend: a ``gj.backend.use`` block, a protocol of one's own, and a warning on a mismatch."""
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gossipjax as gj
+from gossipjax import topology as T
+
+K = 8
+
+
+@pytest.fixture(scope="module")
+def sharded():
+  return gj.backend.sharded(jax.make_mesh((K,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,)))
+
+
+def test_transforms_built_in_a_use_block_take_its_backend(sharded):
+  with gj.backend.use(sharded):
+    tx = gj.chain(optax.clip_by_global_norm(1.0), gj.gossip_sgd(T.ring(16), beta=0.9, learning_rate=0.1))
+    assert gj.mixing.resolve_backend(None) is sharded
+  assert gj.mixing.resolve_backend(None) == gj.backend.simulate()  # the block is over
+  x = sharded.shard(np.random.default_rng(0).normal(size=(16, 3)))
+  text = jax.jit(lambda p, s: tx.update(p, s, p)).lower(x, tx.init(x)).compile().as_text()
+  assert "collective-permute" in text and "all-reduce" not in text and "all-gather" not in text
+  with gj.backend.use(sharded):  # an explicit backend= still wins
+    assert gj.mixing.make_mixer(T.ring(4), gj.backend.simulate()).__class__.__name__ == "SimulateMixer"
+
+
+@dataclasses.dataclass(frozen=True)
+class Halving:
+  """A backend of one's own: every node in this process, W applied as the simulation does, means halved."""
+
+  def mixer(self, topology):
+    return gj.backend.simulate().mixer(topology)
+
+  def mean(self, tree):
+    return gj.backend.simulate().mean(tree)
+
+  def local_nodes(self, num_nodes):
+    return num_nodes
+
+  def map(self, fn, in_axes=0, num_nodes=None):
+    return jax.vmap(fn, in_axes=in_axes)
+
+
+def test_a_class_with_the_four_methods_is_a_backend_and_anything_else_is_refused():
+  assert isinstance(Halving(), gj.backend.Backend)
+  tx = gj.gossip_sgd(T.ring(4), learning_rate=0.1, backend=Halving())
+  x = jnp.arange(4.0)[:, None]
+  u, _ = tx.update(jnp.zeros_like(x), tx.init(x), x)
+  np.testing.assert_allclose(x + u, T.ring(4).matrix() @ np.arange(4.0)[:, None])
+  with pytest.raises(TypeError, match=r"^gj: backend=.* is not a backend"):
+    gj.gossip_sgd(T.ring(4), learning_rate=0.1, backend="sharded")
+  with pytest.raises(TypeError, match=r"^gj.backend.use: .* is not a backend"):
+    with gj.backend.use(jax.make_mesh((K,), ("nodes",))):
+      pass
+
+
+def test_sharded_params_in_a_transform_built_for_the_simulation_warn_with_the_fix(sharded):
+  tx = gj.gossip_sgd(T.ring(16), learning_rate=0.1)  # no backend=
+  x = sharded.shard(np.ones((16, 3)))
+  with pytest.warns(UserWarning, match=r"sharded over mesh axis 'nodes'.*backend=gj.backend.sharded"):
+    tx.update(x, tx.init(x), x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.update(np.ones((16, 3)), tx.init(np.ones((16, 3))), np.ones((16, 3)))  # host arrays: no warning
