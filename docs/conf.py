@@ -17,6 +17,10 @@ sys.path.insert(0, str(ROOT))
 
 import gossipjax  # noqa: E402
 
+# Every page's kernel inherits this environment: their collectives over the 8 CPU devices need
+# 16 XLA:CPU client threads, sized before any JAX computation.
+gossipjax.backend.reserve_cpu_threads()
+
 project = "gossipjax"
 author = "the gossipjax authors"
 copyright = "2026, the gossipjax authors"

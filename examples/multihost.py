@@ -17,13 +17,15 @@ def worker(process_id, num_processes, coordinator):
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # 2 CPU devices per process
   import jax
 
+  import gossipjax as gj
+
+  gj.backend.reserve_cpu_threads()  # before JAX's first computation: threads for collectives over 2 CPU devices
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
   import numpy as np
 
   import _problem as p
-  import gossipjax as gj
 
   mesh = jax.make_mesh((jax.device_count(),), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,))
   backend = gj.backend.sharded(mesh)

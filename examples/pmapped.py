@@ -12,6 +12,8 @@ import jax  # noqa: E402
 import _problem as p  # noqa: E402
 import gossipjax as gj  # noqa: E402
 
+gj.backend.reserve_cpu_threads()  # before JAX's first computation: threads for collectives over 8 CPU devices
+
 
 def main():
   k = jax.device_count()

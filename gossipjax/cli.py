@@ -381,20 +381,21 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
 
 
 def _request_cpu_devices(args: argparse.Namespace) -> None:
-  """``--devices K`` on a CPU host: XLA makes K CPU devices if told so before its first computation."""
-  if args.backend != "sharded" or not args.devices:
-    return
+  """``--devices K`` on a CPU host: XLA makes K CPU devices if told so before its first computation.
+
+  Then XLA's CPU client gets the threads that collectives over those devices need.
+  """
   import jax
 
-  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-    return  # the user's own setting wins
-  try:
-    jax.config.update("jax_num_cpu_devices", args.devices)
-  except RuntimeError:
-    return  # jax has already computed in this process (the CLI called from Python): use the devices it has
-  from gossipjax.backend import _cpu_threads
+  from gossipjax.backend import reserve_cpu_threads
 
-  _cpu_threads.reserve_collective_threads()  # gossipjax's import saw one device; size the pool for these
+  user_flag = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")  # the user's own wins
+  if args.backend == "sharded" and args.devices and not user_flag:
+    try:
+      jax.config.update("jax_num_cpu_devices", args.devices)
+    except RuntimeError:
+      pass  # jax has already computed in this process (the CLI called from Python): use the devices it has
+  reserve_cpu_threads()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -11,6 +11,11 @@ import jax
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+import gossipjax as gj  # noqa: E402
+
+# Before JAX's first computation: collectives over the 8 CPU devices need 16 client threads.
+gj.backend.reserve_cpu_threads()
+
 import sys
 from pathlib import Path
 

@@ -23,10 +23,13 @@ At most K launches wait at once (the host dispatches one program at a time and w
 its K launches) and the devices run one step at a time, so 2K threads always leave a free
 one for the step every other device waits for. XLA sizes the pool from the ``PJRT_NPROC``
 environment variable (else ``NPROC``, else the cores the process may run on) when the CPU
-client starts, so gossipjax sets ``PJRT_NPROC`` when it is imported, before the client
-exists. The intra-op pool of the same client is sized from the same number; on a machine
-with fewer than 2K cores it gets 2K mostly idle threads, which costs little next to a
-process that aborts.
+client starts, so it must be set before the client exists. That is the process's choice, not
+a side effect of importing gossipjax: an entry point (the CLI, the examples, the tests' conftest)
+calls `reserve_cpu_threads` after choosing its device count and before JAX's first computation,
+and the sharded and pmapped backends warn, with that line, when the client they run on has too
+few threads. The intra-op pool of the same client is sized from the same number; on a machine
+with fewer than 2K cores it gets 2K mostly idle threads, which costs little next to a process
+that aborts.
 """
 
 from __future__ import annotations
@@ -91,19 +94,38 @@ def pjrt_nproc_setting(local_devices: int, env: Mapping[str, str], cores: int | 
 
 
 def _cpu_client_started() -> bool:
-  # No public JAX call answers this without starting the backends; jax_num_cpu_devices uses the same check.
+  # JAX refuses a new jax_num_cpu_devices once its backends exist, and only then: the one public
+  # way to ask without starting them. Where they have not started, the value is put back at once.
+  current = jax.config.jax_num_cpu_devices
   try:
-    from jax._src import xla_bridge
+    jax.config.update("jax_num_cpu_devices", current + 1)
+  except RuntimeError:
+    return True
+  jax.config.update("jax_num_cpu_devices", current)
+  return False
 
-    return bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):
-    return False
 
+def reserve_cpu_threads() -> None:
+  """Sizes XLA's CPU client for collectives over this process's CPU devices; call before JAX computes.
 
-def reserve_collective_threads() -> None:
-  """Sets ``PJRT_NPROC`` for the CPU devices this process asked for, if XLA's CPU client has not started."""
+  Multi-device programs on CPU devices (``--xla_force_host_platform_device_count=K`` or
+  ``jax_num_cpu_devices``, a sharded or pmapped backend) need 2K client threads, or a loop
+  that queues steps without waiting can deadlock XLA's CPU client (see this module). This sets
+  ``PJRT_NPROC`` to 2K where the client would get fewer, unless ``PJRT_NPROC`` is already set.
+  Importing gossipjax changes no environment variable; a program that runs several CPU devices
+  calls this once, after choosing the device count and before its first JAX computation::
+
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import gossipjax as gj
+    gj.backend.reserve_cpu_threads()
+
+  Called after JAX has started its CPU client, it changes nothing, and warns
+  (``RuntimeWarning``) if that client has too few threads for its devices.
+  """
   if _cpu_client_started():
-    return  # too late for this client; check_collective_threads warns where it matters
+    check_collective_threads(jax.local_devices(), "gj.backend.reserve_cpu_threads (called after JAX started)")
+    return
   devices = requested_cpu_devices(num_cpu_devices=jax.config.jax_num_cpu_devices)
   value = pjrt_nproc_setting(devices, os.environ)
   if value is not None:
@@ -121,9 +143,7 @@ def check_collective_threads(devices: Iterable[jax.Device], where: str) -> None:
     warnings.warn(
         f"{where}: XLA's CPU client has {pool} threads for collectives over {k} local CPU devices; with more "
         f"than {MAX_INFLIGHT_PER_DEVICE} steps queued (a loop that does not wait on each step) it can "
-        f"deadlock and abort on a rendezvous timeout. gossipjax sizes the client on import, from XLA_FLAGS or "
-        f"jax_num_cpu_devices; this one started before that import or got its device count after it. Import "
-        f"gossipjax after choosing the device count and before the first JAX computation, or set "
-        f"PJRT_NPROC={threads_needed(k)} in the environment before JAX starts.",
+        f"deadlock and abort on a rendezvous timeout. Fix: call `gj.backend.reserve_cpu_threads()` after choosing the device count and "
+        f"before the first JAX computation (or start the process with PJRT_NPROC={threads_needed(k)}).",
         RuntimeWarning,
     )

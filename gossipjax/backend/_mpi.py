@@ -9,6 +9,7 @@ of the plan (two for a ring) and bucket of packed leaves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -65,6 +66,14 @@ def _import_mpi():
   return mpi4jax, MPI
 
 
+@functools.cache
+def _world_clone() -> Any:
+  # One clone of COMM_WORLD for every default backend, as mpi4jax keeps for itself: gossip traffic
+  # cannot match a user's own messages on COMM_WORLD. Cloning is collective, as building a backend is.
+  _, MPI = _import_mpi()
+  return MPI.COMM_WORLD.Clone()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class MpiMixer:
   """W(step) on this rank's block of ``local_nodes`` nodes."""
@@ -117,7 +126,7 @@ class Mpi:
   """Each MPI rank holds its own block of B = n / size nodes.
 
   Attributes:
-    comm: the ``mpi4py`` communicator (default: a clone of ``COMM_WORLD``, mpi4jax's own).
+    comm: the ``mpi4py`` communicator (default: a clone of ``COMM_WORLD``, one per process).
     bucket_bytes: the most bytes of one node's leaves packed into one message (one
       ``sendrecv`` per exchange and bucket).
 
@@ -135,12 +144,9 @@ class Mpi:
 
   def __post_init__(self):
     check_bucket_bytes(self.bucket_bytes, "gj.backend.mpi")
-    mpi4jax, _ = _import_mpi()
+    _import_mpi()
     if self.comm is None:
-      from mpi4jax._src.utils import get_default_comm
-
-      object.__setattr__(self, "comm", get_default_comm())
-    del mpi4jax
+      object.__setattr__(self, "comm", _world_clone())
 
   @property
   def rank(self) -> int:

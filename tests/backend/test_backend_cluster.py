@@ -143,6 +143,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, numpy as np
 jax.config.update("jax_enable_x64", True)
 import gossipjax as gj
+gj.backend.reserve_cpu_threads()
 
 topo = gj.topology.random_pairs(8, period=64)
 sharded = gj.backend.sharded(jax.make_mesh((8,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,)))

@@ -1,4 +1,4 @@
-"""Multi-device steps queued without waiting never deadlock XLA's CPU client (gossipjax sizes its thread pool)."""
+"""Multi-device steps queued without waiting never deadlock XLA's CPU client (gj.backend.reserve_cpu_threads)."""
 
 import concurrent.futures
 import os
@@ -9,13 +9,14 @@ import textwrap
 import jax
 import pytest
 
+import gossipjax as gj
 from gossipjax.backend import _cpu_threads as cpu
 
 K = 8  # conftest gives 8 CPU devices
 
 # A user's loop: 8 CPU devices, one-peer exponential gossip (a lax.switch of ppermutes), no wait
 # on any step. It runs more steps than XLA's 32 programs in flight per device, so the host gets
-# far enough ahead to reach the state that deadlocked the client before gossipjax sized it.
+# far enough ahead to reach the state that deadlocked the client before it was sized.
 UNSYNCHRONISED_STEPS = 100
 _CHILD = textwrap.dedent(f"""
     import os
@@ -25,6 +26,7 @@ _CHILD = textwrap.dedent(f"""
     import optax
     import gossipjax as gj
 
+    gj.backend.reserve_cpu_threads()
     mesh = jax.make_mesh(({K},), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,))
     backend = gj.backend.sharded(mesh)
     tx = gj.gossip_sgd(gj.topology.one_peer_exponential(16), beta=0.9, learning_rate=0.1, backend=backend)
@@ -44,7 +46,7 @@ _CHILD = textwrap.dedent(f"""
 
 
 def _fresh_env():
-  # The child must get its pool from importing gossipjax, not inherit this process's setting.
+  # The child must get its pool from its own reserve_cpu_threads(), not inherit this process's setting.
   drop = ("XLA_FLAGS", "PJRT_NPROC", "NPROC")
   return dict({k: v for k, v in os.environ.items() if k not in drop}, JAX_PLATFORMS="cpu")
 
@@ -72,7 +74,7 @@ def test_ten_fresh_processes_of_unsynchronised_steps_all_finish():
 
 
 def test_this_process_has_the_threads_its_devices_need():
-  # conftest forced K CPU devices before gossipjax was imported, so the pool was sized in time.
+  # conftest forced K CPU devices and reserved their threads before JAX computed, so the pool was sized in time.
   assert jax.local_device_count() == K
   assert cpu.pool_size(K) >= cpu.threads_needed(K)
   # The live client: XLA sizes its intra-op pool ("XLAEigen" threads) from the same number.
@@ -112,5 +114,17 @@ def test_requested_cpu_devices_reads_the_flag_and_the_jax_option():
 def test_a_client_started_with_too_few_threads_is_reported(monkeypatch):
   mesh = jax.make_mesh((K,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,))
   monkeypatch.setenv("PJRT_NPROC", "2")
-  with pytest.warns(RuntimeWarning, match="PJRT_NPROC=16"):
+  with pytest.warns(RuntimeWarning, match="PJRT_NPROC=16") as record:
     cpu.check_collective_threads(mesh.devices.flat, "gj.backend.sharded")
+  assert "Fix: call `gj.backend.reserve_cpu_threads()`" in str(record[0].message)
+
+
+def test_reserving_after_jax_started_changes_nothing_and_says_so(monkeypatch):
+  # This process's client started with conftest's setting; a late call cannot resize it.
+  jax.numpy.zeros(1).block_until_ready()
+  monkeypatch.delenv("PJRT_NPROC", raising=False)
+  monkeypatch.setenv("NPROC", "2")  # so the client looks too small on any machine
+  with pytest.warns(RuntimeWarning, match=r"reserve_cpu_threads \(called after JAX started\).*PJRT_NPROC=16"):
+    gj.backend.reserve_cpu_threads()
+  assert "PJRT_NPROC" not in os.environ
+  assert jax.config.jax_num_cpu_devices == -1  # the probe of whether JAX started put the option back

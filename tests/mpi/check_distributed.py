@@ -17,6 +17,9 @@ def main(process_id: int, num_processes: int, port: int) -> int:
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
   import jax
 
+  import gossipjax as gj
+
+  gj.backend.reserve_cpu_threads()  # before JAX's first computation: threads for collectives over 2 CPU devices
   jax.config.update("jax_enable_x64", True)
   jax.config.update("jax_numpy_rank_promotion", "raise")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -25,7 +28,6 @@ def main(process_id: int, num_processes: int, port: int) -> int:
   import numpy as np
 
   import backend_cases as cases
-  import gossipjax as gj
   from gossipjax import topology as T
 
   k = jax.device_count()
