@@ -22,7 +22,7 @@ from gossipjax.topology._plan import (
 )
 from gossipjax.topology._topology import Topology, is_strongly_connected
 
-Weights = Literal["uniform", "metropolis"]
+Weights = Literal["uniform", "metropolis", "push"]
 
 
 def _check_n(n: Any, name: str, minimum: int = 1, what: str = "the number of nodes") -> int:
@@ -32,8 +32,12 @@ def _check_n(n: Any, name: str, minimum: int = 1, what: str = "the number of nod
 
 
 def _check_weights(weights: Any) -> None:
-  if weights not in ("uniform", "metropolis"):
-    raise ValueError(f"weights must be 'uniform' or 'metropolis', got {weights!r}")
+  if weights not in ("uniform", "metropolis", "push"):
+    raise ValueError(f"weights must be 'uniform', 'metropolis' or 'push', got {weights!r}")
+
+
+_METROPOLIS_DIRECTED = ("metropolis weights need an undirected graph (a symmetric adjacency); on a directed graph "
+                        "use weights='uniform' (row stochastic) or weights='push' (column stochastic, for gj.sgp)")
 
 
 def weights_from_adjacency(adj: Any, weights: Weights = "uniform") -> np.ndarray | sp.csr_array:
@@ -43,15 +47,19 @@ def weights_from_adjacency(adj: Any, weights: Weights = "uniform") -> np.ndarray
     adj: boolean n x n, dense or ``scipy.sparse`` (then so is the result); the diagonal
       is ignored (every node keeps a self weight).
     weights: ``"uniform"``: 1/(in-degree + 1) over the closed in-neighbourhood, as BlueFog
-      does (doubly stochastic on regular graphs); ``"metropolis"``: Metropolis-Hastings
-      ``w_ij = 1 / (1 + max(d_i, d_j))``, doubly stochastic on any undirected graph.
+      does (row stochastic; doubly stochastic on regular graphs); ``"metropolis"``:
+      Metropolis-Hastings ``w_ij = 1 / (1 + max(d_i, d_j))``, doubly stochastic on any
+      undirected graph; ``"push"``: each sender splits its value equally over itself and
+      the nodes it sends to, ``w_ij = 1/(out-degree_j + 1)`` (column stochastic on any
+      graph, directed ones included: what push-sum, `gj.sgp`, needs).
 
   Returns:
     W, n x n: a NumPy array for a dense ``adj``, a ``scipy.sparse`` CSR array for a sparse
-    one. Each row sums to one (the self weight takes the rest).
+    one. Each row sums to one (the self weight takes the rest), or with ``"push"`` each
+    column (the self weight is the sender's own share).
 
   Raises:
-    ValueError: ``weights`` is neither rule, or ``"metropolis"`` on a directed graph.
+    ValueError: ``weights`` is none of the rules, or ``"metropolis"`` on a directed graph.
 
   Example:
     A path of three nodes, where the end nodes have one neighbour and the middle two:
@@ -67,6 +75,15 @@ def weights_from_adjacency(adj: Any, weights: Weights = "uniform") -> np.ndarray
     [[0.667 0.333 0.   ]
      [0.333 0.333 0.333]
      [0.    0.333 0.667]]
+
+    A directed cycle with a chord, 0 -> 1 -> 2 -> 0 and 0 -> 2: node 0 sends to two nodes,
+    so its column splits three ways:
+
+    >>> directed = np.array([[0, 0, 1], [1, 0, 0], [1, 1, 0]])  # [i, j]: i receives from j
+    >>> print(T.weights_from_adjacency(directed, "push").round(3))
+    [[0.333 0.    0.5  ]
+     [0.333 0.5   0.   ]
+     [0.333 0.5   0.5  ]]
 
   References:
     Xiao, Boyd, Lall (2005), A Scheme for Robust Distributed Sensor Fusion Based on
@@ -87,8 +104,13 @@ def weights_from_adjacency(adj: Any, weights: Weights = "uniform") -> np.ndarray
     w = adj / (deg[:, None] + 1.0)
   elif weights == "metropolis":
     if not np.array_equal(adj, adj.T):
-      raise ValueError("metropolis weights need an undirected graph (a symmetric adjacency)")
+      raise ValueError(_METROPOLIS_DIRECTED)
     w = adj / (1.0 + np.maximum(deg[:, None], deg[None, :]))
+  elif weights == "push":
+    out_deg = adj.sum(axis=0)
+    w = adj / (out_deg[None, :] + 1.0)
+    w[np.arange(n), np.arange(n)] = 1.0 - w.sum(axis=0)
+    return w
   else:
     _check_weights(weights)
   w[np.arange(n), np.arange(n)] = 1.0 - w.sum(axis=1)
@@ -106,18 +128,26 @@ def _edge_weights(n: int, dst: np.ndarray, src: np.ndarray, weights: Weights):
   key = key[np.concatenate([[True], key[1:] != key[:-1]])] if len(key) else key
   dst, src = key // n, key % n
   deg = np.bincount(dst, minlength=n)
+  if weights == "push":
+    w = 1.0 / (np.bincount(src, minlength=n)[src] + 1.0)
+    return dst, src, w, 1.0 - np.bincount(src, weights=w, minlength=n)
   if weights == "uniform":
     w = 1.0 / (deg[dst] + 1.0)
   else:
     if not np.array_equal(np.sort(src * n + dst), key):
-      raise ValueError("metropolis weights need an undirected graph (a symmetric adjacency)")
+      raise ValueError(_METROPOLIS_DIRECTED)
     w = 1.0 / (1.0 + np.maximum(deg[dst], deg[src]))
   return dst, src, w, 1.0 - np.bincount(dst, weights=w, minlength=n)
 
 
 def _from_edges(n: int, dst: np.ndarray, src: np.ndarray, name: str, weights: Weights) -> Topology:
   dst, src, w, self_w = _edge_weights(n, dst, src, weights)
-  return Topology.from_plans(plan_from_edges(n, dst, src, w, self_w, name), name=name)
+  return _with_rule(Topology.from_plans(plan_from_edges(n, dst, src, w, self_w, name), name=name), weights)
+
+
+def _with_rule(topology: Topology, weights: Weights) -> Topology:
+  topology._rule = weights  # what a failed check suggests instead
+  return topology
 
 
 def _regular_circulant(n: int, offsets: list[int], name: str, weights: Weights) -> Topology:
@@ -128,7 +158,7 @@ def _regular_circulant(n: int, offsets: list[int], name: str, weights: Weights) 
   row_sum = 0.0
   for _ in offsets:  # the self weight is 1 minus the row, summed as the dense rule sums it
     row_sum += w
-  return Topology.from_plans(circulant_plan(n, offsets, w, 1.0 - row_sum, name), name=name)
+  return _with_rule(Topology.from_plans(circulant_plan(n, offsets, w, 1.0 - row_sum, name), name=name), weights)
 
 
 def ring(n: int, weights: Weights = "uniform") -> Topology:
@@ -249,7 +279,8 @@ def star(n: int, weights: Weights = "uniform") -> Topology:
   hub_vector[0] = 1.0
   terms = (make_rank_one(hub_vector, row), make_rank_one(column, hub_vector)) if n > 1 else ()
   self_w.setflags(write=False)
-  return Topology.from_plans(MixingPlan(self_weight=self_w, rounds=(), rank_one=terms), name=f"star({n})")
+  return _with_rule(Topology.from_plans(MixingPlan(self_weight=self_w, rounds=(), rank_one=terms), name=f"star({n})"),
+                    weights)
 
 
 def complete(n: int) -> Topology:
@@ -424,7 +455,7 @@ def from_adjacency(adj: Any, weights: Weights = "uniform", name: str | None = No
   Args:
     adj: the n x n adjacency (non-zero entries are edges; the diagonal is ignored), or a
       networkx graph (see `from_networkx`).
-    weights: ``"uniform"`` or ``"metropolis"``, as in `weights_from_adjacency`.
+    weights: ``"uniform"``, ``"metropolis"`` or ``"push"``, as in `weights_from_adjacency`.
     name: the topology's name (default ``graph(n)``).
 
   Returns:
@@ -501,7 +532,7 @@ def from_networkx(graph: Any, weights: Weights = "uniform") -> Topology:
 
   Args:
     graph: a ``networkx.Graph`` or ``networkx.DiGraph`` (edge weights are ignored).
-    weights: ``"uniform"`` or ``"metropolis"``, as in `weights_from_adjacency`.
+    weights: ``"uniform"``, ``"metropolis"`` or ``"push"``, as in `weights_from_adjacency`.
 
   Returns:
     A static `Topology` named ``networkx(n)``.

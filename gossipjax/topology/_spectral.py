@@ -1,7 +1,8 @@
-"""Spectral facts of a mixing matrix: ``rho = ||W - 11^T/n||_2`` and the spectral gap."""
+"""Spectral facts of a mixing matrix: ``rho = ||W - 11^T/n||_2``, its per-period rate and the spectral gap."""
 
 from __future__ import annotations
 
+import warnings
 
 import numpy as np
 import scipy.sparse as sp
@@ -18,8 +19,13 @@ EXACT_RHO_NODES = 1024
 def rho(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
   """``||W - 11^T/n||_2``, the rate at which one gossip step contracts disagreement.
 
-  For a time-varying topology this is the value at ``step``; use
-  ``rho(product_over_period)`` for the per-period rate.
+  For a time-varying topology this is the value of the one matrix at ``step``, which alone
+  may not even connect the nodes (one step of `one_peer_exponential` has rho near 1); its
+  rate is `rho_per_period`.
+
+  The number is a rate of consensus only for a doubly stochastic W (rows and columns summing
+  to 1: the average is kept and ``11^T/n`` is the limit of ``W^k``). For any other W it is
+  still this norm, but not a rate, and a ``UserWarning`` says so.
 
   Up to ``EXACT_RHO_NODES`` (1,024) nodes this is the exact dense SVD norm. Past it,
   W is never made dense. A W that commutes with the translations of a cyclic group
@@ -41,6 +47,9 @@ def rho(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
     rho as a float: 0 for exact averaging (`complete`); below 1 for a doubly stochastic W
     of a connected graph with positive self weights.
 
+  Warns:
+    UserWarning: W is not doubly stochastic.
+
   Example:
     >>> from gossipjax import topology as T
     >>> round(T.rho(T.exponential(16)), 4), round(T.rho(T.exponential(2**16)), 4)
@@ -50,6 +59,7 @@ def rho(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
     Xiao, Boyd (2004), Fast Linear Iterations for Distributed Averaging, Systems & Control
     Letters.
   """
+  _warn_unless_doubly_stochastic(topology, "rho", [int(step)] if isinstance(topology, Topology) else None)
   if isinstance(topology, Topology):
     n = topology.num_nodes
     if n <= EXACT_RHO_NODES:
@@ -90,6 +100,9 @@ def spectral_gap(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) 
   Returns:
     The gap as a float in [0, 1] for a doubly stochastic W.
 
+  Warns:
+    UserWarning: W is not doubly stochastic (the gap is then no rate of consensus).
+
   Example:
     >>> from gossipjax import topology as T
     >>> round(T.spectral_gap(T.ring(8)), 4), T.spectral_gap(T.complete(8))
@@ -99,7 +112,106 @@ def spectral_gap(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) 
     Xiao, Boyd (2004), Fast Linear Iterations for Distributed Averaging, Systems & Control
     Letters.
   """
-  return 1.0 - rho(topology, step)
+  _warn_unless_doubly_stochastic(topology, "spectral_gap", [int(step)] if isinstance(topology, Topology) else None)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # warned once, under this function's name
+    return 1.0 - rho(topology, step)
+
+
+def rho_per_period(topology: Topology) -> float:
+  r"""The per-step rate of a time-varying topology over its period: ``rho(W(p-1) ... W(0)) ** (1/p)``.
+
+  One matrix of a time-varying topology can leave the nodes unconnected (a step of
+  `one_peer_exponential` pairs each node with one peer: rho near 1), while the period as a
+  whole mixes fast (for n a power of 2, `one_peer_exponential`'s period is exact
+  averaging). What decides the rate is the product over one period,
+
+  .. math::
+    
+ho_{	ext{period}} = ig\|W^{(p-1)} \cdots W^{(0)} - 	frac1n \mathbf 1 \mathbf 1^	opig\|_2^{1/p},
+
+  the 2-norm of the product on the disagreement subspace (where, W being doubly stochastic,
+  ``P - 11^T/n = (W(p-1) - 11^T/n) ... (W(0) - 11^T/n)``), taken per step: every period
+  shrinks the disagreement by at least ``rho_per_period ** p``. For a static topology it is
+  `rho`. The norm, like `rho`'s, bounds the spectral radius of the product and equals it
+  when the product is normal (circulant schedules, symmetric products).
+
+  A schedule of circulant matrices (`one_peer_exponential` and its directed form) multiplies
+  their FFTs, exactly, in O(p n log n) at any n. Any other schedule is the exact SVD of the
+  product (built by p sparse products) up to ``EXACT_RHO_NODES`` (1,024) nodes, and past it
+  Lanczos on the Gram matrix of the product as an operator (p sparse products with W and p
+  with W^T per iteration): the product is never formed there.
+
+  Args:
+    topology: a `Topology` (a matrix is static: use `rho`).
+
+  Returns:
+    The per-step rate as a float: 0 when a period averages exactly.
+
+  Warns:
+    UserWarning: some W(k) is not doubly stochastic (the number is then no rate of consensus).
+
+  Example:
+    >>> from gossipjax import topology as T
+    >>> g = T.one_peer_exponential(64)
+    >>> round(T.rho(g), 3), T.rho_per_period(g)   # one step alone, and per step over the period of 6
+    (0.999, 0.0)
+    >>> round(T.rho_per_period(T.one_peer_exponential(48)), 4), round(T.rho_per_period(T.ring(8)), 4)
+    (0.7691, 0.8047)
+
+  References:
+    Ying, Yuan, Chen, Hu, Pan, Yin (2021), Exponential Graph is Provably Efficient for
+    Decentralized Deep Training, NeurIPS (the per-period product of the one-peer graph).
+  """
+  if not isinstance(topology, Topology):
+    raise TypeError(f"rho_per_period: expected a gossipjax Topology, got {type(topology).__name__}; "
+                    "a single matrix is static, use gj.topology.rho")
+  if topology.period == 1:
+    return rho(topology)
+  _warn_unless_doubly_stochastic(topology, "rho_per_period", range(topology.period))
+  plans, n, p = topology.plans(), topology.num_nodes, topology.period
+  kernels = [_translation_kernel(plan) for plan in plans]
+  if all(k is not None for k in kernels) and len({k.shape for k in kernels}) == 1:
+    lam = np.prod([np.fft.fft2(k) for k in kernels], axis=0)  # commuting normal matrices: eigenvalues multiply
+    lam[0, 0] -= 1.0
+    return float(np.abs(lam).max()) ** (1.0 / p)
+  if n <= EXACT_RHO_NODES:
+    product = np.eye(n)
+    for plan in plans:
+      product = plan.matvec(product)
+    return _dense_rho(product) ** (1.0 / p)
+  backward = [reversed_plan(plan) for plan in reversed(plans)]
+
+  def matvec(x):
+    for plan in plans:
+      x = plan.matvec(x)
+    return x
+
+  def rmatvec(x):
+    for plan in backward:
+      x = plan.matvec(x)
+    return x
+
+  return _operator_rho(matvec, rmatvec, n, symmetric=False) ** (1.0 / p)
+
+
+def _warn_unless_doubly_stochastic(w, what: str, steps) -> None:
+  """A ``UserWarning`` naming the first row or column of W that does not sum to 1 (O(n * degree))."""
+  if isinstance(w, Topology):
+    sums = ((k, kind, (plan.row_sums() if kind == "row" else plan.column_sums()))
+            for k in sorted({s % w.period for s in steps}) for plan in [w.plans()[k]] for kind in ("row", "column"))
+  else:
+    m = sp.csr_array(w, dtype=np.float64) if sp.issparse(w) else np.asarray(w, np.float64)
+    sums = ((0, "row", np.asarray(m.sum(axis=1)).ravel()), (0, "column", np.asarray(m.sum(axis=0)).ravel()))
+  for k, kind, s in sums:
+    off = np.abs(s - 1.0)
+    if off.max(initial=0.0) > 1e-6:
+      i = int(np.argmax(off))
+      at = f" at step {k}" if isinstance(w, Topology) and w.is_time_varying else ""
+      warnings.warn(f"{what}: W{at} is not doubly stochastic ({kind} {i} sums to {s[i]:.6g}), so "
+                    "||W - 11^T/n||_2 is no rate of consensus; for a row or column stochastic W the rate is set by "
+                    "the second largest |eigenvalue| of W, not by this norm", UserWarning, stacklevel=3)
+      return
 
 
 def _dense_rho(w: np.ndarray) -> float:

@@ -15,8 +15,11 @@ from scipy.sparse import csgraph
 from gossipjax.topology._plan import MAX_LISTED_ENTRIES, MixingPlan, check_dense_size, plan_from_matrix
 
 Stochasticity = Literal["row", "column", "doubly", "none"]
+STOCHASTICITIES = ("row", "column", "doubly", "none")
 
 _TOL = 1e-9
+# How far a row or column sum may be from 1.
+_SUM_TOL = 1e-6
 
 
 class Topology:
@@ -52,6 +55,9 @@ class Topology:
     self.name = name
     self._plans = _to_plans(matrices, name)
     self._sparse: dict[int, sp.csr_array] = {}
+    # The weight rule a family built W with ("uniform", "metropolis", "push"), or None for a
+    # user's own matrix: what a failed check suggests depends on it.
+    self._rule: str | None = None
 
   @classmethod
   def from_plans(cls, plans: MixingPlan | Sequence[MixingPlan], name: str = "custom") -> "Topology":
@@ -134,13 +140,22 @@ class Topology:
 
     Returns:
       ``self``, so a check can be chained.
+
+    Raises:
+      ValueError: W is not as required, or not connected; or ``stochastic`` is none of the
+        four values (a misspelled value would otherwise check nothing). The message of a
+        failed sum says what works instead: Metropolis weights on an undirected graph built
+        by a family, `gj.sgp` with ``weights="push"`` or row / column mixing on a directed
+        one, and what to change in a matrix of your own.
     """
+    check_stochasticity(stochastic, f"{self.name}.check")
     for k, plan in enumerate(self._plans):
       where = f"{self.name}" + (f" at step {k}" if self.is_time_varying else "")
-      if stochastic in ("row", "doubly"):
-        _check_sums(plan.row_sums(), "row", where, stochastic)
-      if stochastic in ("column", "doubly"):
-        _check_sums(plan.column_sums(), "column", where, stochastic)
+      for kind in ("row", "column"):
+        if stochastic in (kind, "doubly"):
+          sums = plan.row_sums() if kind == "row" else plan.column_sums()
+          if np.abs(sums - 1.0).max() > _SUM_TOL:
+            raise ValueError(_sum_message(sums, kind, where, stochastic, self._rule, _pattern_symmetric(plan)))
     if connected and not is_strongly_connected(self._reach_graph()):
       raise ValueError(
           f"{self.name}: the graph is not connected (over one period of {self.period} step(s)), "
@@ -319,16 +334,43 @@ def _check_entries(entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]], nam
                        + "; mixing weights must be non-negative")
 
 
-def _check_sums(sums: np.ndarray, kind: str, where: str, required: str) -> None:
-  off = np.abs(sums - 1.0) > 1e-6
-  if off.any():
-    i = int(np.argmax(np.abs(sums - 1.0)))
-    need = {"doubly": "doubly stochastic", "row": "row stochastic", "column": "column stochastic"}[required]
-    hint = ""
-    if required == "doubly" and kind == "column":
-      hint = (" (uniform 1/(degree+1) weights are only doubly stochastic on regular graphs: "
-              "build the topology with weights='metropolis')")
-    raise ValueError(f"{where}: W must be {need} but {kind} {i} sums to {sums[i]:.6g}{hint}")
+def check_stochasticity(stochastic: Any, what: str) -> None:
+  """Refuses a ``stochastic=`` value other than the four, which would otherwise check nothing."""
+  if not isinstance(stochastic, str) or stochastic not in STOCHASTICITIES:
+    raise ValueError(f"{what}: stochastic must be one of 'row', 'column', 'doubly' or 'none', got {stochastic!r}")
+
+
+def _sum_message(sums: np.ndarray, kind: str, where: str, required: str, rule: str | None, undirected: bool) -> str:
+  """What is wrong with the sums of W, and what to use instead."""
+  i = int(np.argmax(np.abs(sums - 1.0)))
+  need = {"doubly": "doubly stochastic", "row": "row stochastic", "column": "column stochastic"}[required]
+  message = f"{where}: W must be {need} but {kind} {i} sums to {sums[i]:.6g}"
+  if rule is None:
+    hint = f"the weights are your own: make every {kind} sum to 1"
+    if required == "doubly" and undirected:
+      hint += (", or take gj.topology.from_adjacency(W != 0, weights='metropolis'), doubly stochastic weights "
+               "on the same edges")
+  elif required == "doubly" and undirected:
+    hint = (f"{rule} weights are only doubly stochastic on regular graphs: build the topology with "
+            "weights='metropolis'")
+  elif required == "doubly":
+    hint = "a directed graph has no doubly stochastic weight rule here"
+  else:
+    hint = f"build the topology with weights='{'uniform' if kind == 'row' else 'push'}'"
+  if required == "doubly" and not undirected:
+    hint += ("; on a directed graph use gj.sgp (push-sum, column stochastic: weights='push'), or mix with "
+             "gj.mixing.make_mixer(W, stochastic='row' | 'column') in a method of your own "
+             "(the algorithms guide, 'Row and column mixing')")
+  return f"{message} ({hint})"
+
+
+def _pattern_symmetric(plan: MixingPlan) -> bool:
+  """True when every edge of the plan goes both ways (an undirected graph, whatever its weights)."""
+  try:
+    pattern = (plan.sparse() != 0).astype(np.int8)
+  except ValueError:  # rank-one terms too large to list: only exact averaging is that dense
+    return True
+  return (pattern - pattern.T).count_nonzero() == 0
 
 
 def is_strongly_connected(adj: Any) -> bool:

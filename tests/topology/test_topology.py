@@ -1,8 +1,10 @@
 import math
 
+import jax.numpy as jnp
 import networkx as nx
 import numpy as np
 import pytest
+import scipy.sparse as sp
 from hypothesis import given, settings, strategies as st
 
 import gossipjax as gj
@@ -155,3 +157,58 @@ def test_exponential_edges_run_as_documented_against_bluefog():
   np.testing.assert_array_equal(T.directed_exponential(8).matrix(), T.exponential(8).matrix().T)
   assert [senders(T.one_peer_exponential(8), k) for k in range(3)] == [{1}, {2}, {4}]
   assert [senders(T.one_peer_directed_exponential(8), k) for k in range(3)] == [{7}, {6}, {4}]
+
+
+@pytest.mark.parametrize("value", ["rows", "col", "", None, "Doubly"])
+def test_a_misspelled_stochastic_is_refused_by_check_and_make_mixer(value):
+  with pytest.raises(ValueError, match=r"stochastic must be one of 'row', 'column', 'doubly' or 'none', got"):
+    T.ring(4).check(value)
+  with pytest.raises(ValueError, match="stochastic must be one of"):
+    gj.mixing.make_mixer(T.ring(4), stochastic=value)
+
+
+# A directed cycle 0 -> 1 -> 2 -> 3 -> 0 with the chords 0 -> 2 and 1 -> 3 ([i, j]: i receives from j).
+DIRECTED = np.array([[0, 0, 0, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0]])
+
+
+def test_push_weights_split_each_senders_value_over_itself_and_its_out_neighbours():
+  w = T.weights_from_adjacency(DIRECTED, "push")
+  out_degree = DIRECTED.sum(axis=0)
+  np.testing.assert_allclose(w.sum(axis=0), 1, atol=1e-15)  # column stochastic on a directed graph
+  np.testing.assert_allclose(np.diag(w), 1 / (out_degree + 1), atol=1e-15)
+  np.testing.assert_allclose(w[DIRECTED > 0], (1 / (out_degree + 1))[np.nonzero(DIRECTED)[1]], atol=1e-15)
+  np.testing.assert_allclose(T.weights_from_adjacency(sp.csr_array(DIRECTED), "push").toarray(), w, atol=1e-15)
+  topo = T.from_adjacency(DIRECTED, weights="push").check("column")
+  np.testing.assert_allclose(topo.matrix(), w, atol=1e-15)
+  # On a regular undirected graph the push rule is the uniform one.
+  np.testing.assert_allclose(T.from_adjacency(T.ring(6).matrix() > 0, weights="push").matrix(), T.ring(6).matrix())
+  # Push-sum on it reaches the exact average of the initial values.
+  tx = gj.sgp(topo, learning_rate=0.1)
+  x = jnp.arange(4.0)[:, None]
+  state = tx.init(x)
+  for _ in range(200):
+    u, state = tx.update(jnp.zeros_like(x), state, x)
+    x = x + u
+  np.testing.assert_allclose(x[:, 0], 1.5, atol=1e-10)
+
+
+def test_a_failed_check_points_to_what_works_for_the_graph_at_hand():
+  directed = T.from_adjacency(DIRECTED)  # uniform: row stochastic only
+  with pytest.raises(ValueError, match=r"directed graph.*gj\.sgp.*weights='push'.*stochastic='row' \| 'column'") as e:
+    gj.gradient_tracking(directed, learning_rate=0.1)
+  assert "metropolis" not in str(e.value)
+  with pytest.raises(ValueError, match=r"column \d sums to .*build the topology with weights='push'"):
+    directed.check("column")
+  with pytest.raises(ValueError, match=r"row \d sums to .*build the topology with weights='uniform'"):
+    T.from_adjacency(DIRECTED, weights="push").check("row")
+  with pytest.raises(ValueError, match="metropolis weights need an undirected graph.*weights='push'"):
+    T.from_adjacency(DIRECTED, weights="metropolis")
+  with pytest.raises(ValueError, match="uniform weights are only doubly stochastic on regular graphs.*metropolis"):
+    T.grid(3, 3).check("doubly")
+  # A matrix of one's own: no weight rule to switch, so say what to change in it.
+  own = T.from_matrix(T.grid(3, 3).matrix())
+  with pytest.raises(ValueError, match=r"the weights are your own: make every column sum to 1, or take "
+                                       r"gj.topology.from_adjacency\(W != 0, weights='metropolis'\)"):
+    own.check("doubly")
+  with pytest.raises(ValueError, match=r"the weights are your own: make every column sum to 1; on a directed graph"):
+    T.from_matrix(T.weights_from_adjacency(DIRECTED)).check("doubly")
