@@ -44,21 +44,64 @@ def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: i
   return jax.vmap(init_fn)(keys)
 
 
+def _is_float(x: Any) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _node_leaves(tree: Any, what: str) -> list[tuple[Any, Any]]:
+  """``(path, leaf)`` of every leaf, each checked to carry a leading node axis of one size.
+
+  Integer, bool and PRNG-key leaves (step counters, flax RNG streams) are allowed, as `mix`
+  allows them; a leaf that is not an array, a scalar without a node axis, or a node axis of
+  another size raises, naming the leaf.
+  """
+  leaves, first = jax.tree_util.tree_leaves_with_path(tree), None
+  for path, x in leaves:
+    name = jax.tree_util.keystr(path) or "<root>"
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not hasattr(x, "shape"):
+      raise TypeError(f"{what}: leaf {name} is a {type(x).__name__}, not an array with a leading node axis")
+    numeric = jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+    if not (numeric or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)):
+      raise TypeError(f"{what}: leaf {name} has dtype {dtype}, which is neither a number nor a PRNG key")
+    if not x.shape:
+      raise ValueError(f"{what}: leaf {name} is a scalar of dtype {dtype}: every leaf needs a leading node axis")
+    if first is None:
+      first = (name, x.shape[0])
+    elif x.shape[0] != first[1]:
+      raise ValueError(f"{what}: leaf {name} has {x.shape[0]} nodes on its leading axis, leaf {first[0]} has "
+                       f"{first[1]}")
+  return leaves
+
+
 def node_mean(tree: Any) -> Any:
-  """The average model: the mean over the node axis of every leaf.
+  """The average model: the mean over the node axis of every floating-point leaf.
+
+  Leaves that are not floating point (PRNG keys and counters of a full ``nnx.state``, an
+  integer step) are not averaged: as `mix` leaves them alone, the average model takes node
+  0's. A 16-bit leaf is summed in float32 and returned in its own dtype.
 
   Args:
     tree: a pytree whose leaves carry a leading node axis.
 
   Returns:
-    ``tree`` with the node axis averaged out of every leaf (one model).
+    ``tree`` with the node axis averaged out of every float leaf, and node 0's value of every
+    other leaf (one model).
+
+  Raises:
+    TypeError: a leaf is not an array (a Python number), or neither a number nor a PRNG key.
+    ValueError: a leaf has no node axis, or a node axis of another size; the message names it.
 
   Example:
-    >>> import jax.numpy as jnp, gossipjax as gj
-    >>> gj.node_mean({"w": jnp.array([[0.0, 2.0], [2.0, 4.0]])})["w"].tolist()
-    [1.0, 3.0]
+    >>> import jax, jax.numpy as jnp, gossipjax as gj
+    >>> tree = {"w": jnp.array([[0.0, 2.0], [2.0, 4.0]]), "count": jnp.array([3, 3]),
+    ...         "key": jax.random.split(jax.random.key(0), 2)}
+    >>> mean = gj.node_mean(tree)
+    >>> mean["w"].tolist(), mean["count"].tolist(), mean["key"].shape
+    ([1.0, 3.0], 3, ())
   """
-  return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
+  _node_leaves(tree, "gj.node_mean")
+  return jax.tree.map(lambda x: jnp.mean(x, axis=0).astype(x.dtype) if _is_float(x) else x[0], tree)
 
 
 def consensus_distance(tree: Any) -> jax.Array:
@@ -67,33 +110,49 @@ def consensus_distance(tree: Any) -> jax.Array:
   .. math::
     \Xi = \frac{1}{n} \sum_i \|x_i - \bar x\|^2, \qquad \bar x = \frac{1}{n} \sum_i x_i,
 
-  summed over all leaves.
+  summed over the floating-point leaves. Other leaves (PRNG keys, step and RNG counters) are
+  no part of the model that gossip averages and are not counted, so the full state of an
+  NNX model (``nnx.state(model)``) can be passed as it is. 16-bit leaves are summed in
+  float32.
 
   Args:
     tree: a pytree whose leaves carry a leading node axis of size n.
 
   Returns:
-    A scalar array, 0 exactly when every node holds the same model.
+    A scalar array (of the float leaves' dtype, at least float32), 0 exactly when every node
+    holds the same model.
+
+  Raises:
+    TypeError: a leaf is not an array (a Python number), or neither a number nor a PRNG key.
+    ValueError: a leaf has no node axis, or a node axis of another size; the message names it.
 
   Example:
-    >>> import jax.numpy as jnp, gossipjax as gj
+    >>> import jax, jax.numpy as jnp, gossipjax as gj
     >>> x = {"w": jnp.array([[0.0, 2.0], [2.0, 4.0]])}  # each node is at distance^2 2 from [1, 3]
     >>> float(gj.consensus_distance(x))
+    2.0
+    >>> float(gj.consensus_distance({**x, "step": jnp.array([1, 7]), "key": jax.random.split(jax.random.key(0))}))
     2.0
 
   References:
     Kong, Lin, Koloskova, Jaggi, Stich (2021), Consensus Control for Decentralized Deep
     Learning, ICML.
   """
-  def leaf(x):
-    d = x - jnp.mean(x, axis=0, keepdims=True)
-    return jnp.sum(d * d) / x.shape[0]
+  floats = [x for _, x in _node_leaves(tree, "gj.consensus_distance") if _is_float(x)]
+  dtype = jnp.result_type(jnp.float32, *(jnp.real(jnp.zeros((), x.dtype)).dtype for x in floats))
 
-  return sum(jax.tree.leaves(jax.tree.map(leaf, tree)), start=jnp.zeros([], jnp.result_type(*jax.tree.leaves(tree))))
+  def leaf(x):
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    d = x - jnp.mean(x, axis=0, keepdims=True)
+    return (jnp.sum(jnp.real(d * jnp.conj(d))) / x.shape[0]).astype(dtype)
+
+  return sum((leaf(x) for x in floats), start=jnp.zeros([], dtype))
 
 
 def nonfinite_nodes(tree: Any) -> np.ndarray:
   """Indices of the nodes with a NaN or inf anywhere in their params (host-side check).
+
+  Integer, bool and PRNG-key leaves are always finite and are skipped.
 
   Args:
     tree: a pytree whose leaves carry a leading node axis.
@@ -101,13 +160,19 @@ def nonfinite_nodes(tree: Any) -> np.ndarray:
   Returns:
     A NumPy integer array of the node indices, in increasing order (empty when all finite).
 
+  Raises:
+    TypeError: a leaf is not an array (a Python number), or neither a number nor a PRNG key.
+    ValueError: a leaf has no node axis, or a node axis of another size; the message names it.
+
   Example:
     >>> import jax.numpy as jnp, gossipjax as gj
     >>> gj.nonfinite_nodes(jnp.array([[1.0, 2.0], [jnp.nan, 0.0], [0.0, jnp.inf]])).tolist()
     [1, 2]
   """
   bad = None
-  for x in jax.tree.leaves(tree):
+  for _, x in _node_leaves(tree, "gj.nonfinite_nodes"):
+    if not _is_float(x):
+      continue
     b = ~jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
     bad = b if bad is None else bad | b
   return np.flatnonzero(np.asarray(bad)) if bad is not None else np.array([], int)

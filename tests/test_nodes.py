@@ -47,3 +47,49 @@ def test_evaluate_nodes_and_mean():
   assert per_node.shape == (4,)
   np.testing.assert_allclose(per_node[2], f(jax.tree.map(lambda a: a[2], p), x), rtol=1e-12)
   np.testing.assert_allclose(gj.evaluate_mean(f, p, x), per_node.mean(), rtol=1e-12)  # f is affine in q
+
+
+def _state_with_rng_and_counters(n=4):
+  """What a full ``nnx.state`` of n stacked models holds: params, PRNG keys and integer counters."""
+  p = gj.init_nodes(init, jax.random.key(2), n, same_init=False)
+  return {"params": p, "rngs": {"key": jax.random.split(jax.random.key(5), n), "count": jnp.arange(n, dtype=jnp.uint32)},
+          "step": jnp.full((n,), 7, jnp.int32), "frozen": jnp.ones((n,), bool)}
+
+
+def test_node_helpers_skip_rng_keys_and_counters_as_mix_does():
+  tree = _state_with_rng_and_counters()
+  params = tree["params"]
+  for f in (gj.consensus_distance, jax.jit(gj.consensus_distance)):
+    np.testing.assert_allclose(f(tree), gj.consensus_distance(params), rtol=1e-15)
+  mean = gj.node_mean(tree)
+  np.testing.assert_allclose(mean["params"]["w"], np.asarray(params["w"]).mean(0), rtol=1e-12)
+  assert mean["rngs"]["count"].dtype == jnp.uint32 and int(mean["rngs"]["count"]) == 0  # node 0's counter
+  np.testing.assert_array_equal(jax.random.key_data(mean["rngs"]["key"]), jax.random.key_data(tree["rngs"]["key"][0]))
+  assert int(mean["step"]) == 7 and bool(mean["frozen"])
+  assert gj.nonfinite_nodes(tree).tolist() == []
+  tree["params"]["b"] = tree["params"]["b"].at[2, 0].set(jnp.nan)
+  assert gj.nonfinite_nodes(tree).tolist() == [2]
+
+
+def test_node_helpers_name_a_leaf_they_cannot_handle():
+  good = {"w": jnp.ones((4, 2))}
+  for f in (gj.consensus_distance, gj.node_mean, gj.nonfinite_nodes):
+    name = f.__name__
+    with pytest.raises(ValueError, match=rf"gj.{name}: leaf \['z'\]\['c'\] has 3 nodes on its leading axis, "
+                                         r"leaf \['w'\] has 4"):
+      f({**good, "z": {"c": jnp.ones((3, 2))}})
+    with pytest.raises(TypeError, match=rf"gj.{name}: leaf \['lr'\] is a float, not an array with a leading node"):
+      f({**good, "lr": 0.1})
+    with pytest.raises(ValueError, match=rf"gj.{name}: leaf \['t'\] is a scalar of dtype int32"):
+      f({**good, "t": jnp.int32(3)})
+    with pytest.raises(TypeError, match=rf"gj.{name}: leaf \['s'\] has dtype <U1, which is neither a number nor"):
+      f({**good, "s": np.array(["a", "b", "c", "d"])})
+
+
+def test_consensus_distance_of_16_bit_params_sums_in_float32():
+  x = jax.random.normal(jax.random.key(0), (8, 4096), jnp.float32).astype(jnp.bfloat16)
+  got = gj.consensus_distance({"w": x})
+  assert got.dtype == jnp.float32
+  want = np.asarray(x, np.float64)
+  np.testing.assert_allclose(got, np.sum((want - want.mean(0)) ** 2) / 8, rtol=1e-5)
+  assert gj.node_mean({"w": x})["w"].dtype == jnp.bfloat16
