@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gossipjax._extras import require_train_extra
 from gossipjax.checkpoint._ranks import _claim, _mpi_rank, _rank_refusal
 
 _MANIFEST = "gossipjax_manifest.json"
@@ -261,6 +262,7 @@ def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None
     >>> gj.checkpoint.restore(d, like={"w": jnp.zeros((4, 2))})["w"].sum().item()
     8.0
   """
+  require_train_extra("gj.checkpoint.save", "orbax")
   import orbax.checkpoint as ocp
 
   step = _check_step(step)
@@ -483,9 +485,33 @@ def _like_typed(value: Any, like: Any) -> Any:
     return np.array(value, dtype=like.dtype)
   if isinstance(like, jax.Array) and like.ndim == 0 and like.weak_type:
     return jax.lax.full_like(like, np.asarray(value))  # keeps the weak type, so promotion is unchanged
+  if isinstance(like, jax.Array) and not like.committed:
+    return jax.device_put(value)  # uncommitted, as like: a jitted step sees the arguments it was compiled for
   if isinstance(like, jax.Array) and like.is_fully_addressable:
     return jax.device_put(value, like.sharding)
   return jnp.asarray(value)
+
+
+def _restores_to_host(like: Any) -> bool:
+  """Whether a leaf is read into a NumPy array: any leaf but a committed jax array or a placed abstract one.
+
+  An uncommitted ``like`` (what ``jnp.zeros``, ``tx.init`` and a jitted step of uncommitted
+  arguments return) must come back uncommitted: a committed array is another argument type to
+  ``jax.jit``, and the first step after the restore would compile again.
+  """
+  if isinstance(like, jax.ShapeDtypeStruct):
+    return like.sharding is None
+  return not (isinstance(like, jax.Array) and like.committed)
+
+
+def _placed_key(key: jax.Array, like: Any) -> jax.Array:
+  """A restored PRNG key array placed as the ``like`` leaf is (uncommitted unless like is placed)."""
+  sharding = None
+  if isinstance(like, jax.Array) and like.committed and like.is_fully_addressable:
+    sharding = like.sharding
+  elif isinstance(like, jax.ShapeDtypeStruct):
+    sharding = like.sharding
+  return key if sharding is None else jax.device_put(key, sharding)
 
 
 def restore(directory: str | os.PathLike, like: Any, step: int | None = None, *, verify: bool = True) -> Any:
@@ -500,7 +526,10 @@ def restore(directory: str | os.PathLike, like: Any, step: int | None = None, *,
     verify: check the SHA-256 of every file against the manifest first.
 
   Returns:
-    The restored tree, bit for bit the one saved.
+    The restored tree, bit for bit the one saved. Jax arrays are placed as the ``like``
+    leaves are: on their sharding when committed, and uncommitted (on the default device)
+    when ``like``'s are, as those of a fresh ``tx.init``, so the next call of a jitted step
+    runs the program it compiled before the restore instead of compiling again.
 
   Raises:
     FileNotFoundError: no checkpoint (or not that step) in ``directory``.
@@ -525,6 +554,7 @@ def restore(directory: str | os.PathLike, like: Any, step: int | None = None, *,
     >>> gj.checkpoint.restore(d, like)["step"]  # the newest step
     2
   """
+  require_train_extra("gj.checkpoint.restore", "orbax")
   import orbax.checkpoint as ocp
 
   directory = pathlib.Path(directory).absolute()
@@ -547,14 +577,13 @@ def restore(directory: str | os.PathLike, like: Any, step: int | None = None, *,
 
   abstract, empty = {}, {}
   for i, (s, (_, x)) in enumerate(zip(body["leaves"], leaves)):
-    if s["dtype"] == "key":
+    if s["dtype"] == "key":  # its data, read to the host and placed as a key afterwards
       shape = tuple(s["shape"]) + jax.random.key_data(jax.random.key(0, impl=s["key_impl"])).shape
-      dtype, sharding = jnp.dtype(jnp.uint32), None
+      dtype, host = jnp.dtype(jnp.uint32), True
     else:
-      shape, dtype = tuple(s["shape"]), jnp.dtype(s["dtype"])
-      sharding = getattr(x, "sharding", None) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
+      shape, dtype, host = tuple(s["shape"]), jnp.dtype(s["dtype"]), _restores_to_host(x)
     if math.prod(shape):
-      abstract[str(i)] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+      abstract[str(i)] = np.empty(shape, dtype) if host else jax.ShapeDtypeStruct(shape, dtype, sharding=x.sharding)
     else:
       empty[str(i)] = np.zeros(shape, dtype)
   arrays: dict[str, Any] = dict(empty)
@@ -569,9 +598,9 @@ def restore(directory: str | os.PathLike, like: Any, step: int | None = None, *,
   for i, (s, (_, x)) in enumerate(zip(body["leaves"], leaves)):
     value = arrays[str(i)]
     if s["dtype"] == "key":
-      out.append(jax.random.wrap_key_data(jnp.asarray(value), impl=s["key_impl"]))
+      out.append(_placed_key(jax.random.wrap_key_data(jax.device_put(value), impl=s["key_impl"]), x))
     elif isinstance(x, jax.ShapeDtypeStruct):
-      out.append(jnp.asarray(value))
+      out.append(jax.device_put(value) if isinstance(value, np.ndarray) else value)
     else:
       out.append(_like_typed(value, x))
   return jax.tree_util.tree_unflatten(treedef, out)

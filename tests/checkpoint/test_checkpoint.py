@@ -243,6 +243,31 @@ def test_resume_continues_bit_for_bit(tmp_path):
   _leaves_equal(resumed, uninterrupted)
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["simulate", "sharded"])
+def test_restore_then_step_runs_the_compiled_step_without_compiling_again(tmp_path, sharded, caplog):
+  backend = None
+  if sharded:
+    if 8 % jax.device_count():
+      pytest.skip("needs a device count dividing 8")
+    backend = gj.backend.sharded(jax.make_mesh((jax.device_count(),), ("nodes",),
+                                               axis_types=(jax.sharding.AxisType.Auto,)))
+  init, step = _training(0, backend=backend)
+  fresh = init(jax.random.key(0))
+  state = step(step(fresh))
+  ckpt.save(tmp_path, state, step=2)
+  for like in (fresh, state, init(jax.random.key(1))):  # the template of a new run, and the live state
+    restored = ckpt.restore(tmp_path, like=like)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(like)):
+      assert got.committed == want.committed and got.sharding == want.sharding
+    caplog.clear()
+    with jax.log_compiles(), caplog.at_level("WARNING"):
+      after = step(restored)
+      jax.block_until_ready(after)
+    compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+    assert not compiled, compiled
+    _leaves_equal(after, step(state))
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_resume_under_mpi_is_bit_for_bit(tmp_path):
