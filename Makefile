@@ -11,8 +11,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# The demo needs the train extra only: flax, scikit-learn, matplotlib, tqdm and orbax on top of the core.
+$(VENV)/.installed-train: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[train]'
+	touch $@
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,docs]'
+	$(BIN)/python -m pip install -q -e '.[train,test,docs]'
 	touch $@
 
 # mpi4jax builds from source against the mpich wheel. On machines with nvcc but no CUDA
@@ -26,7 +31,7 @@ $(VENV)/.installed-mpi: $(VENV)/.installed
 install: $(VENV)/.installed
 install-mpi: $(VENV)/.installed-mpi
 
-demo: install
+demo: $(VENV)/.installed-train
 	$(BIN)/gossipjax train
 
 test: install-mpi

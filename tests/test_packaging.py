@@ -1,5 +1,6 @@
 """What installing and importing gossipjax does to a process: nothing outside the package, and no private imports."""
 
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -47,3 +48,109 @@ def test_no_module_of_gossipjax_imports_a_private_module_of_another_package():
   found = [f"{path.relative_to(PACKAGE.parent)}: {m.group(0).strip()}"
            for path in sorted(PACKAGE.rglob("*.py")) for m in private.finditer(path.read_text())]
   assert not found, found
+
+
+# The core install: what `pip install gossipjax` brings. The child below runs on a site-packages
+# that holds only those distributions (links into this environment's), with Python's own
+# site-packages off (-S), so flax, scikit-learn, matplotlib, tqdm and orbax are truly absent.
+CORE = {"jax", "optax", "numpy", "scipy"}
+
+_CORE_CHILD = textwrap.dedent("""
+    import importlib, importlib.util, pkgutil
+    import jax, jax.numpy as jnp, optax
+    import gossipjax as gj
+
+    TRAIN = ("flax", "sklearn", "matplotlib", "tqdm", "orbax")
+    assert not any(importlib.util.find_spec(m) for m in TRAIN), "the train extra is visible"
+
+    def needs_train_extra(call):
+      try:
+        call()
+      except ImportError as e:
+        assert "pip install 'gossipjax[train]'" in str(e), e
+        return
+      raise AssertionError(f"{call} ran without the train extra")
+
+    extra_only = ("gossipjax.train", "gossipjax.__main__")
+    for module in pkgutil.walk_packages(gj.__path__, "gossipjax."):
+      if module.name.startswith(extra_only):
+        needs_train_extra(lambda: importlib.import_module(module.name))
+      else:
+        importlib.import_module(module.name)
+    needs_train_extra(lambda: gj.data.load_digits())
+    needs_train_extra(lambda: gj.checkpoint.save("unused", {"w": jnp.ones(2)}, step=0))
+    needs_train_extra(lambda: gj.checkpoint.restore("unused", {"w": jnp.ones(2)}))
+    from gossipjax import cli
+    needs_train_extra(lambda: cli.main(["train", "--help"]))
+
+    n = 8
+    W, directed, pairs = gj.topology.ring(n), gj.topology.one_peer_directed_exponential(n), gj.topology.random_pairs(n)
+    sgd = optax.sgd(0.1)
+    methods = {
+        "gossip_sgd": gj.gossip_sgd(W, beta=0.9, learning_rate=0.1),
+        "decentlam": gj.decentlam(W, beta=0.9, learning_rate=0.1),
+        "allreduce_sgd": gj.allreduce_sgd(learning_rate=0.1, beta=0.9),
+        "mix": gj.chain(optax.adam(1e-2), gj.mix(W)),
+        "gradient_tracking": gj.gradient_tracking(W, learning_rate=0.1),
+        "exact_diffusion": gj.exact_diffusion(W, learning_rate=0.1),
+        "extra": gj.extra(W, learning_rate=0.1),
+        "sgp": gj.sgp(directed, learning_rate=0.1, beta=0.5),
+        "choco_sgd": gj.choco_sgd(W, gj.compress.qsgd(4), learning_rate=0.1, consensus_step=0.5, key=1),
+        "qg_dmsgd": gj.qg_dmsgd(W, beta=0.9, learning_rate=0.1),
+        "periodic_average": optax.chain(gj.gossip_sgd(W, learning_rate=0.1), gj.periodic_average(2)),
+        "easgd": gj.easgd(learning_rate=0.1, alpha=0.1, center_rate=0.5, every=2),
+        "outer_optimizer": gj.outer_optimizer(sgd, optax.sgd(0.7), inner_steps=2, topology=W),
+        "diloco": gj.diloco(sgd, inner_steps=2),
+        "noloco": gj.noloco(sgd, pairs, inner_steps=2),
+    }
+    public = {name for name in gj.algorithms.__all__ if name[0].islower()} | {"mix"}
+    assert public == set(methods), f"add to this check: {sorted(public - set(methods))}"
+    x = jnp.arange(n * 3.0).reshape(n, 3)
+    for name, tx in methods.items():
+      updates, _ = jax.jit(tx.update)(x - 1.0, tx.init(x), x)
+      assert bool(jnp.isfinite(optax.apply_updates(x, updates)).all()), name
+    print("core ok:", len(methods), "methods")
+""")
+
+
+def _core_requirements():
+  from packaging.requirements import Requirement
+
+  reqs = [Requirement(r) for r in importlib.metadata.requires("gossipjax") or []]
+  return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+
+def _distribution_closure(names):
+  from packaging.requirements import Requirement
+  from packaging.utils import canonicalize_name
+
+  found, todo = {}, list(names)
+  while todo:
+    name = canonicalize_name(todo.pop())
+    if name not in found:
+      found[name] = importlib.metadata.distribution(name)
+      reqs = [Requirement(r) for r in found[name].requires or []]
+      todo += [r.name for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+  return found
+
+
+def test_the_core_install_is_jax_optax_numpy_and_scipy():
+  from packaging.utils import canonicalize_name
+
+  assert {canonicalize_name(r.name) for r in _core_requirements()} == CORE
+
+
+def test_a_core_only_install_imports_every_module_and_steps_every_algorithm(tmp_path):
+  site = tmp_path / "site-packages"
+  site.mkdir()
+  for dist in _distribution_closure(r.name for r in _core_requirements()).values():
+    for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
+      source = pathlib.Path(dist.locate_file(top))
+      if source.exists() and not (site / top).exists():
+        (site / top).symlink_to(source)
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+  env.update(PYTHONPATH=f"{site}{os.pathsep}{PACKAGE.parent}", JAX_PLATFORMS="cpu")
+  res = subprocess.run([sys.executable, "-S", "-c", _CORE_CHILD], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=180)
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert "core ok: 15 methods" in res.stdout

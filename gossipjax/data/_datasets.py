@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gossipjax._extras import require_train_extra
+
 
 class Dataset(NamedTuple):
   """A labelled data set, split into training and test parts (what the ``load_*`` functions return).
@@ -52,6 +54,7 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0, flat: bool = True) -
     Alpaydin, Kaynak (1998), Optical Recognition of Handwritten Digits, UCI Machine Learning
     Repository.
   """
+  require_train_extra("gj.data.load_digits", "sklearn")
   from sklearn.datasets import load_digits as sk_load_digits
 
   d = sk_load_digits()
