@@ -29,34 +29,39 @@ class GuardFiniteState(NamedTuple):
   max_consecutive: jax.Array
 
 
-class SkipNodes:
-  """The nodes that skip this step, handed down an ``optax.chain`` as the extra arg ``skip_nodes``.
+class SkipNodes(NamedTuple):
+  """The nodes that skip this step: the extra arg ``skip_nodes`` that `gj.guard_finite` hands down.
 
-  `gj.guard_finite` passes it to the transform it wraps. A transform that mixes (``gj.mix``,
-  or a custom method) zeroes the local update of these nodes before it mixes with
-  `zero_skipped`, which records that the skip was handled there; the guard then leaves the
-  mixed updates as they are. Python state set while tracing, so it costs nothing at run time.
+  A value, not a channel: the guard and the transforms it wraps agree through what they
+  declare and pass, never by writing to a shared object while tracing. A transform that
+  mixes (``gj.mix``, the outer-optimizer transforms, or a custom method) takes part by
 
-  Args:
-    mask: bool (nodes,), True for the nodes that skip this step.
+  1. saying so in its state: its state class sets the class attribute
+     ``zeroes_skipped_nodes = True`` (as `gj.MixState` does). The guard looks for such a
+     state anywhere in the wrapped transform's state (chains, ``inject_hyperparams``,
+     ``MultiSteps``); only then does it pass ``skip_nodes``;
+  2. zeroing the local update (or gradient) of these nodes before it mixes, with
+     `zero_skipped`, so a skipped node sends its current params and still receives its
+     neighbours'.
+
+  Where the guard finds no such state, it zeroes the skipped nodes' final updates itself:
+  they are frozen for the step.
 
   Attributes:
-    mask: bool (nodes,), True for the nodes that skip this step.
-    handled: whether a transform has zeroed their updates before mixing.
+    mask: bool (nodes,), True for the nodes that skip this step; the node axis is the
+      leading axis of the node-stacked updates (inside ``gj.per_node`` a transform sees
+      one node and has no node axis: `zero_skipped` refuses such leaves).
 
   Example:
     >>> import jax.numpy as jnp, gossipjax as gj
     >>> skip = gj.SkipNodes(jnp.array([False, True, False, False]))
-    >>> skip.handled
-    False
-    >>> _ = gj.zero_skipped(jnp.ones((4, 2)), skip)  # what gj.mix does before it mixes
-    >>> skip.handled
+    >>> gj.zero_skipped(jnp.ones((4, 2)), skip)[:, 0].tolist()  # what gj.mix does before it mixes
+    [1.0, 0.0, 1.0, 1.0]
+    >>> gj.MixState.zeroes_skipped_nodes  # how gj.mix tells the guard it does
     True
   """
 
-  def __init__(self, mask: jax.Array):
-    self.mask = mask
-    self.handled = False
+  mask: jax.Array
 
 
 def _per_node(mask: jax.Array, x: jax.Array) -> jax.Array:
@@ -66,9 +71,9 @@ def _per_node(mask: jax.Array, x: jax.Array) -> jax.Array:
 def zero_skipped(updates: Any, skip_nodes: SkipNodes | None) -> Any:
   """Zeroes the updates of the nodes in ``skip_nodes`` (a no-op when it is ``None``).
 
-  The hook by which a custom method cooperates with `gj.guard_finite`: call it on the local
-  update (or gradient) before mixing, so that a node with a non-finite gradient sends its
-  current params and still receives its neighbours'.
+  The hook by which a custom method cooperates with `gj.guard_finite` (see `SkipNodes`):
+  call it on the local update (or gradient) before mixing, so that a node with a
+  non-finite gradient sends its current params and still receives its neighbours'.
 
   Args:
     updates: a pytree whose leaves carry the node axis.
@@ -76,6 +81,10 @@ def zero_skipped(updates: Any, skip_nodes: SkipNodes | None) -> Any:
 
   Returns:
     ``updates`` with the skipped nodes' rows set to zero.
+
+  Raises:
+    ValueError: a leaf's leading axis is not the mask's node axis (e.g. one node's leaf,
+      inside ``gj.per_node``).
 
   Example:
     >>> import jax.numpy as jnp, gossipjax as gj
@@ -85,9 +94,23 @@ def zero_skipped(updates: Any, skip_nodes: SkipNodes | None) -> Any:
   """
   if skip_nodes is None:
     return updates
-  skip_nodes.handled = True
   mask = skip_nodes.mask
-  return jax.tree.map(lambda u: jnp.where(_per_node(mask, u), jnp.zeros_like(u), u), updates)
+  n = mask.shape[0]
+
+  def zero(u):
+    if jnp.ndim(u) == 0 or jnp.shape(u)[0] != n:
+      raise ValueError(f"gj.zero_skipped: a leaf of shape {jnp.shape(u)} has no leading node axis of {n}, the "
+                       "size of the skip mask; call it on node-stacked updates (inside gj.per_node a transform "
+                       "sees one node, and gj.guard_finite skips that node's step itself)")
+    return jnp.where(_per_node(mask, u), jnp.zeros_like(u), u)
+
+  return jax.tree.map(zero, updates)
+
+
+def _zeroes_skipped_nodes(state: Any) -> bool:
+  """Whether a transform whose state is (in) ``state`` zeroes skipped nodes before mixing (see `SkipNodes`)."""
+  marked = lambda s: getattr(type(s), "zeroes_skipped_nodes", False) is True
+  return any(marked(s) for s in jax.tree.leaves(state, is_leaf=marked))
 
 
 def _num_nodes(tree: Any, what: str) -> int:
@@ -131,13 +154,15 @@ def guard_finite(inner: optax.GradientTransformation,
   1. its gradient is replaced by zeros before ``inner`` sees it, so nothing non-finite
      enters any computation;
   2. its local update is zero: ``gj.mix`` (hence ``gossip_sgd``, ``chain(adam, mix)`` and
-     every chain built on it) is told which nodes skip (the extra arg ``skip_nodes``) and
-     mixes ``x_i + 0``, so node i still sends its current, finite params and still receives
-     its neighbours': :math:`x_i^{k+1} = \sum_j w_{ij}(x_j^k + u_j^k)` with :math:`u_i^k = 0`.
-     The average over nodes is preserved as usual. A custom method takes part in the same
-     way: its ``update`` accepts the extra arg ``skip_nodes`` and passes its local update
-     (or gradient) through `gj.zero_skipped` before it mixes. For an ``inner`` that does
-     not (a purely local optimizer, ``decentlam``) the guard zeroes node i's final update
+     every chain built on it) is told which nodes skip (the extra arg ``skip_nodes``, a
+     `SkipNodes`) and mixes ``x_i + 0``, so node i still sends its current, finite params
+     and still receives its neighbours':
+     :math:`x_i^{k+1} = \sum_j w_{ij}(x_j^k + u_j^k)` with :math:`u_i^k = 0`. The average
+     over nodes is preserved as usual. A custom method takes part in the same way (see
+     `SkipNodes`): its state class declares ``zeroes_skipped_nodes = True`` and its
+     ``update`` passes its local update (or gradient) through `gj.zero_skipped` before it
+     mixes. For an ``inner`` whose state declares no such transform (a purely local
+     optimizer, ``gj.per_node(...)``, ``decentlam``) the guard zeroes node i's final update
      instead: node i is frozen for the step (its neighbours then mixed its finite params,
      computed with a zero gradient);
   3. its per-node state (every leaf of ``inner``'s state whose leading axis is the node
@@ -195,13 +220,19 @@ def guard_finite(inner: optax.GradientTransformation,
       raise ValueError(f"gj.guard_finite: the gradients have {_num_nodes(grads, 'the gradients')} nodes on the "
                        f"leading axis but the state was initialised for {n}")
     bad = _bad_nodes(grads, n)
+    outer_skip = extra_args.pop("skip_nodes", None)  # a guard around this one
+    if outer_skip is not None:
+      bad = bad | outer_skip.mask
     safe = jax.tree.map(lambda g: jnp.where(_per_node(bad, g), jnp.zeros_like(g), g), grads)
-    skip = SkipNodes(bad)
-    updates, inner_state = inner.update(safe, state.inner_state, params, skip_nodes=skip, **extra_args)
+    # Decided from the state's structure, so the same at every trace and on every backend.
+    cooperates = _zeroes_skipped_nodes(state.inner_state)
+    if cooperates:
+      extra_args = {**extra_args, "skip_nodes": SkipNodes(bad)}
+    updates, inner_state = inner.update(safe, state.inner_state, params, **extra_args)
     # The gradient check cannot see a NaN learning rate or an overflow inside ``inner``.
     bad_update = _bad_nodes(updates, n)
     skipped = bad | bad_update
-    updates = zero_skipped(updates, SkipNodes(bad_update if skip.handled else skipped))
+    updates = zero_skipped(updates, SkipNodes(bad_update if cooperates else skipped))
     inner_state = _keep_old_for_bad(inner_state, state.inner_state, skipped, n)
     bad_i = skipped.astype(jnp.int32)
     return updates, GuardFiniteState(

@@ -1,3 +1,5 @@
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,17 +214,28 @@ def test_an_overflowing_update_skips_its_node_and_the_neighbours_that_mixed_it()
   np.testing.assert_allclose(np.asarray(u)[[0, 1, 5, 6, 7]], -1.0, rtol=1e-6)
 
 
+class _AtcState(NamedTuple):
+  count: jax.Array
+
+
+class _CooperatingAtcState(NamedTuple):
+  count: jax.Array
+
+  zeroes_skipped_nodes = True  # what tells gj.guard_finite to pass skip_nodes
+
+
 def _custom_atc(topology, learning_rate, cooperate):
   """A user's own adapt-then-combine method, x+ = W(x - lr g), built on the public mixing contract."""
   mixer = gj.mixing.make_mixer(topology)
+  state_class = _CooperatingAtcState if cooperate else _AtcState
 
   def update(grads, state, params, skip_nodes=None, **extra_args):
-    if cooperate:
-      grads = gj.zero_skipped(grads, skip_nodes)
-    mixed = mixer.mix(jax.tree.map(lambda x, g: x - learning_rate * g, params, grads), 0)
-    return jax.tree.map(lambda m, x: m - x, mixed, params), state
+    assert (skip_nodes is not None) == cooperate  # passed only to a method whose state declares it
+    grads = gj.zero_skipped(grads, skip_nodes)
+    mixed = mixer.mix(jax.tree.map(lambda x, g: x - learning_rate * g, params, grads), state.count)
+    return jax.tree.map(lambda m, x: m - x, mixed, params), state_class(state.count + 1)
 
-  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+  return optax.GradientTransformationExtraArgs(lambda params: state_class(jnp.zeros([], jnp.int32)), update)
 
 
 @pytest.mark.parametrize("cooperate", [True, False])
@@ -241,3 +254,78 @@ def test_a_custom_method_cooperates_with_the_guard_through_zero_skipped(cooperat
     want = topo.matrix(0) @ (np.asarray(x) - 0.1 * np.where(np.isnan(g), 0.0, g))
     np.testing.assert_allclose(new[[0, 1, 3, 4, 5]], want[[0, 1, 3, 4, 5]], rtol=1e-12)
     np.testing.assert_array_equal(new[2], np.asarray(x)[2])
+
+
+def _per_node_reference(tx, x, g, state=None):
+  """``tx`` run on each node alone: (updates, states), one row / state per node."""
+  out = [tx.update(g[i], tx.init(x[i]) if state is None else state[i], x[i]) for i in range(len(x))]
+  return np.stack([np.asarray(u) for u, _ in out]), [s for _, s in out]
+
+
+def test_guard_around_a_gj_chain_skips_the_nan_node_per_node():
+  """gj.chain(clip, adam, mix): node 2 takes no local step but still mixes; the others are each run alone."""
+  topo = gj.topology.ring(N)
+  local = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
+  tx = gj.guard_finite(gj.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1), gj.mix(topo)))
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(N, D)))
+  g = jnp.asarray(_grads(rng, [2]))
+  state = tx.init(x)
+  u, state = jax.jit(tx.update)(g, state, x)
+  want_local, want_states = _per_node_reference(local, x, jnp.where(jnp.isfinite(g), g, 0.0))
+  want_local[2] = 0.0
+  np.testing.assert_allclose(np.asarray(x + u), topo.matrix(0) @ (np.asarray(x) + want_local), rtol=0, atol=1e-12)
+  adam_state = state.inner_state[1]  # chain: (clip, adam, mix), adam stacked per node
+  mu = np.asarray(adam_state[0].mu)
+  np.testing.assert_array_equal(mu[2], np.zeros(D))  # node 2's moments are kept (zero: its first step)
+  np.testing.assert_allclose(mu[0], want_states[0][1][0].mu, rtol=0, atol=1e-12)
+  assert gj.nonfinite_counts(state).tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+
+
+def test_guard_around_per_node_freezes_the_nan_node_and_passes_no_mask_to_a_node():
+  """gj.per_node(...): each node alone; no skip mask reaches a per-node transform (it sees no node axis)."""
+  seen = []
+
+  def probe_update(updates, state, params=None, **extra_args):
+    seen.append(sorted(extra_args))
+    return updates, state
+
+  probe = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), probe_update)
+  local = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
+  tx = gj.guard_finite(gj.per_node(optax.chain(probe, local)))
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.normal(size=(N, D)))
+  state = tx.init(x)
+  u, state = jax.jit(tx.update)(jnp.asarray(rng.normal(size=(N, D))), state, x)
+  before = state.inner_state
+  g = jnp.asarray(_grads(rng, [4]))
+  u, state = jax.jit(tx.update)(g, state, x)
+  assert seen and all(args == [] for args in seen)
+  np.testing.assert_array_equal(u[4], np.zeros(D))  # frozen
+  for a, b in zip(jax.tree.leaves(state.inner_state), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(a[4], b[4])  # its whole per-node state is kept, step count included
+  one = lambda s, i: jax.tree.map(lambda leaf: leaf[i], s)
+  for i in (0, 7):
+    want, _ = local.update(g[i], one(before, i)[1], x[i])
+    np.testing.assert_allclose(u[i], want, rtol=0, atol=1e-12)
+
+
+def test_skip_nodes_is_an_immutable_value_and_nested_guards_agree():
+  skip = gj.SkipNodes(jnp.array([False, True]))
+  with pytest.raises(AttributeError):
+    skip.handled = True
+  with pytest.raises(AttributeError):
+    skip.mask = jnp.array([True, True])
+  assert jax.tree.leaves(skip)[0] is skip.mask  # a pytree: it can cross jit boundaries as a value
+  with pytest.raises(ValueError, match="no leading node axis of 2"):
+    gj.zero_skipped(jnp.ones((3,)), skip)
+  topo = gj.topology.ring(N)
+  inner = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1)
+  x = jnp.asarray(np.random.default_rng(7).normal(size=(N, D)))
+  g = jnp.asarray(_grads(np.random.default_rng(8), [1]))
+  once = gj.guard_finite(inner)
+  twice = gj.guard_finite(gj.guard_finite(inner))
+  u1, _ = once.update(g, once.init(x), x)
+  u2, state = jax.jit(twice.update)(g, twice.init(x), x)
+  np.testing.assert_allclose(u2, u1, rtol=0, atol=1e-15)
+  assert state.nonfinite_count.tolist() == [0, 1, 0, 0, 0, 0, 0, 0]

@@ -35,6 +35,8 @@ class OuterState(NamedTuple):
   inner_state: Any
   outer_state: Any
 
+  zeroes_skipped_nodes = True  # tells gj.guard_finite that a skipping node's update is zeroed before it is combined
+
 
 def _check_outer_rates(learning_rate: Any, momentum: Any, name: str) -> None:
   """The outer learning rate: a non-negative number or a schedule (of the outer round); momentum in [0, 1)."""

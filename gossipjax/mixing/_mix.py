@@ -26,6 +26,8 @@ class MixState(NamedTuple):
 
   count: jax.Array  # steps taken; selects W(k) for time-varying topologies
 
+  zeroes_skipped_nodes = True  # tells gj.guard_finite that mix zeroes its skipped nodes' local updates
+
 
 def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
   r"""Turns a local update ``u`` into a gossiped one: ``u' = W(x + u) - x``.
@@ -44,8 +46,10 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
       ``optax.inject_hyperparams`` it may be a traced integer (it can change between steps).
     backend: where the nodes live (default: ``gj.backend.simulate()``).
 
-  Under ``gj.guard_finite`` the update takes the extra arg ``skip_nodes``: those nodes'
-  local updates are zeroed before mixing (they send their current params).
+  Under ``gj.guard_finite`` the update takes the extra arg ``skip_nodes`` (a
+  ``gj.SkipNodes``): those nodes' local updates are zeroed before mixing (they send their
+  current params and receive their neighbours'). `MixState` declares it
+  (``zeroes_skipped_nodes``), which is how the guard knows.
 
   Returns:
     An optax transform of updates (its ``update`` needs ``params``) whose state is a
