@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gossipjax._transform import NodeTransformation
-from gossipjax.asynchrony._plans import plan_table
+from gossipjax.backend._table import mix_from_table, plan_table
+from gossipjax.mixing import float_leaves_only
 
 
 class Faults(NamedTuple):
@@ -255,7 +255,10 @@ def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
 
   Without them it is ``x^{k+1} = W^{(k)}(x^k + u^k)``, the rule of ``gj.mix``.
   ``chain(scale_by_learning_rate(lr), faulty_mix(W))`` is D-PSGD with faults. A step costs
-  O(degree * n * d) and draws one number per edge, as the exchange rounds do.
+  O(degree * n * d) and draws one number per edge, as the exchange rounds do. It mixes
+  through the kernel of the simulate backend's tables, under the same rules as ``gj.mix``:
+  16-bit floats are summed in float32 and rounded once, and a leaf that is not a float (a
+  step counter) is neither mixed nor moved (its incoming update is passed on).
 
   Args:
     topology: a ``gj.topology`` (or a matrix / networkx graph), possibly time-varying.
@@ -275,7 +278,7 @@ def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
     [2.0, 3.0, 6.0]
   """
   table = plan_table(topology)
-  period, num_rounds, n = table.src.shape
+  period, _, n = table.src.shape
 
   def init_fn(params):
     del params
@@ -285,27 +288,23 @@ def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
     del extra
     if params is None:
       raise ValueError("faulty_mix needs params")
-    dtype = jnp.result_type(*jax.tree.leaves(params))
     up = jnp.ones(n, bool) if up is None else up
     k = state.count % period
-    src, weight = jnp.asarray(table.src)[k], jnp.asarray(table.weight, dtype)[k]
+    # The weights stay in the table's float dtype; the kernel casts them to each leaf's sum dtype.
+    src, weight = jnp.asarray(table.src)[k], jnp.asarray(table.weight)[k]
     receiver = jnp.arange(n)
     keep = up[None, :] & up[src] & (weight != 0) & (src != receiver[None, :])
     if delivered is not None:
       keep = keep & delivered[receiver[None, :], src]
     elif loss_key is not None:
-      keep = keep & _delivered(loss_key, jnp.asarray(loss_prob, dtype), receiver[None, :], src)
+      keep = keep & _delivered(loss_key, jnp.asarray(loss_prob, weight.dtype), receiver[None, :], src)
     coef = jnp.where(keep, weight, 0.0)
     self_coef = 1.0 - coef.sum(axis=0)
-    column = lambda v, x: v.astype(x.dtype).reshape((n,) + (1,) * (x.ndim - 1))
 
     def leaf(x, u):
-      x_half = x + jnp.where(column(up, u), u, jnp.zeros_like(u))
-      mixed = column(self_coef, x) * x_half
-      for r in range(num_rounds):
-        mixed = mixed + column(coef[r], x) * jnp.take(x_half, src[r], axis=0)
-      return (mixed - x).astype(x.dtype)
+      x_half = x + jnp.where(up.reshape((n,) + (1,) * (u.ndim - 1)), u, jnp.zeros_like(u))
+      return (mix_from_table(self_coef, src, coef, x_half) - x).astype(x.dtype)
 
     return jax.tree.map(leaf, params, updates), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
-  return NodeTransformation(init_fn, update_fn)
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn), keep_other_updates=True)

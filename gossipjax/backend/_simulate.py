@@ -14,6 +14,7 @@ from jax import lax
 from gossipjax.backend._base import node_sharding
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import accumulation_dtype
+from gossipjax.backend._table import mix_from_table, plan_table
 from gossipjax.topology import MixingPlan, Topology
 
 
@@ -27,8 +28,11 @@ def _weight(w: np.ndarray, like: jax.Array) -> Any:
 def apply_plan(plan: MixingPlan, x: jax.Array) -> jax.Array:
   """``W x`` for one leaf with all n nodes on axis 0, in O((degree + rank-one terms) * n * d).
 
-  16-bit floats are summed in float32 and rounded once (see `accumulation_dtype`).
+  16-bit floats are summed in float32 and rounded once (see `accumulation_dtype`); a leaf
+  that is not a float is returned unchanged, as `mix_from_table` leaves it.
   """
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return x
   leaf_dtype, x = x.dtype, x.astype(accumulation_dtype(x.dtype))
   out = _weight(plan.self_weight, x) * x
   for r in plan.rounds:
@@ -106,33 +110,13 @@ class SimulateMixer:
       return lax.switch(jnp.asarray(step) % len(plans), [apply(p) for p in plans], tree)
     # A long period (e.g. a pool of random matchings) compiles one branch per step under
     # lax.switch; a gather from a (period, rounds, n) table compiles once.
-    self_w, src, w = _plan_table(plans)
+    table = plan_table(self.topology)
     k = jnp.asarray(step) % len(plans)
-    return jax.tree.map(lambda x: _apply_table_row(self_w[k], src[k], w[k], x), tree)
+    self_w, src, w = (jnp.asarray(a)[k] for a in table)
+    return jax.tree.map(lambda x: mix_from_table(self_w, src, w, x), tree)
 
 
 _MAX_SWITCH_BRANCHES = 16
-
-
-def _plan_table(plans) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Stacks the plans into self weights (period, n), sources and weights (period, rounds, n)."""
-  n, num_rounds = plans[0].num_nodes, max(len(p.rounds) for p in plans)
-  self_w = np.stack([p.self_weight for p in plans])
-  src = np.tile(np.arange(n), (len(plans), num_rounds, 1))  # unused rounds: weight 0 from self
-  w = np.zeros((len(plans), num_rounds, n))
-  for k, p in enumerate(plans):
-    for c, r in enumerate(p.rounds):
-      src[k, c], w[k, c] = r.src, r.weight
-  return jnp.asarray(self_w), jnp.asarray(src, jnp.int32), jnp.asarray(w)
-
-
-def _apply_table_row(self_w: jax.Array, src: jax.Array, w: jax.Array, x: jax.Array) -> jax.Array:
-  shape = (-1,) + (1,) * (x.ndim - 1)
-  leaf_dtype, x = x.dtype, x.astype(accumulation_dtype(x.dtype))
-  out = self_w.astype(x.dtype).reshape(shape) * x
-  for c in range(src.shape[0]):
-    out = out + w[c].astype(x.dtype).reshape(shape) * jnp.take(x, src[c], axis=0)
-  return out if x.dtype == leaf_dtype else out.astype(leaf_dtype)
 
 
 @dataclasses.dataclass(frozen=True)

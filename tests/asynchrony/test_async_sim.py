@@ -251,6 +251,37 @@ def test_faulty_mix_on_the_plans_is_the_dense_renormalized_rule(topo):
       np.testing.assert_allclose(dense, want, atol=1e-13)
 
 
+def test_faulty_mix_sums_bfloat16_in_float32_and_leaves_integer_leaves_alone():
+  """From x = 0 the update is the mixed value itself: W' u summed in float32 and rounded once."""
+  n, topo = 16, gj.topology.ring(16)  # weight 1/3, which bfloat16 would round to 0.33398
+  f = ga.faults(down=[(3, 0.0, 1.0)], loss_prob=0.3)
+  up, delivered = ga.is_up(f, 0.5, n), ga.delivered_mask(f, jax.random.key(0), n)
+  rng = np.random.default_rng(0)
+  u32 = jnp.asarray(1 + rng.normal(size=(n, 64)), jnp.float32)
+  u16 = u32.astype(jnp.bfloat16)
+  counts = jnp.arange(n, dtype=jnp.int32)
+  tx = ga.faulty_mix(topo)
+
+  def mixed(u, count_update):
+    params = {"w": jnp.zeros_like(u), "count": counts}
+    got, _ = tx.update({"w": u, "count": count_update}, tx.init(params), params, up=up, delivered=delivered)
+    return got
+
+  got = mixed(u16, jnp.zeros(n, jnp.int32))
+  assert got["w"].dtype == jnp.bfloat16
+  # The same float32 computation, rounded once, to the bit.
+  np.testing.assert_array_equal(got["w"], mixed(u16.astype(jnp.float32), jnp.zeros(n, jnp.int32))["w"].astype(jnp.bfloat16))
+  # Within half a unit in the last place of the exact W' u (a bfloat16 sum is not).
+  exact = np.asarray(ga.renormalize(jnp.asarray(topo.matrix(0)), up, delivered)) @ np.where(
+      np.asarray(up)[:, None], np.asarray(u16, np.float64), 0.0)
+  live = np.asarray(up)
+  np.testing.assert_array_equal(got["w"][~live], 0.0)  # down: x = 0 kept
+  ulp = 2.0 ** (np.floor(np.log2(np.abs(exact[live]))) - 7)
+  assert np.max(np.abs(np.asarray(got["w"], np.float64)[live] - exact[live]) / ulp) <= 0.5 + 1e-3
+  np.testing.assert_array_equal(got["count"], np.zeros(n))  # not mixed: its update passes through
+  np.testing.assert_array_equal(mixed(u16, counts)["count"], counts)
+
+
 def test_delivered_edges_draws_one_number_per_link_and_loses_both_directions():
   f = ga.faults(loss_prob=0.5)
   key = jax.random.key(0)
