@@ -57,6 +57,9 @@ nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_timeout = 600
 nb_merge_streams = True
+# A Markdown output of a code cell (IPython.display.Markdown) is parsed as MyST, so a table
+# printed by a cell renders as a table; the default, CommonMark, has no tables.
+nb_render_markdown_format = "myst"
 
 # API reference: one page per public module, generated from its ``__all__`` so that a name
 # added to the package is documented without editing the docs.
