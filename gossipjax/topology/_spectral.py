@@ -127,8 +127,7 @@ def rho_per_period(topology: Topology) -> float:
   averaging). What decides the rate is the product over one period,
 
   .. math::
-    
-ho_{	ext{period}} = ig\|W^{(p-1)} \cdots W^{(0)} - 	frac1n \mathbf 1 \mathbf 1^	opig\|_2^{1/p},
+    \rho_{\text{period}} = \big\|W^{(p-1)} \cdots W^{(0)} - \tfrac1n \mathbf 1 \mathbf 1^\top \big\|_2^{1/p},
 
   the 2-norm of the product on the disagreement subspace (where, W being doubly stochastic,
   ``P - 11^T/n = (W(p-1) - 11^T/n) ... (W(0) - 11^T/n)``), taken per step: every period
