@@ -201,7 +201,7 @@ def _write_result_pages(app, config):
              "```{toctree}", ":hidden:", ""] + [s.name for s in studies] + ["```", ""]
   for study in studies:
     readme = (study / "README.md").read_text()
-    title = next((l[2:].strip() for l in readme.splitlines() if l.startswith("# ")), study.name)
+    title = next((line[2:].strip() for line in readme.splitlines() if line.startswith("# ")), study.name)
     page = out / "experiments" / f"{study.name}.md"
     _write_if_changed(page, _page_from(study / "README.md", page))
     gallery += [f"## {title}", "", f"`experiments/{study.name}`: {{doc}}`the whole study <{study.name}>`", "",
