@@ -95,7 +95,7 @@ class MpiMixer:
 
   def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
     mpi4jax, MPI = _import_mpi()
-    rank, size, comm = self.rank, self.size, self.comm
+    rank, comm = self.rank, self.comm
 
     def exchange(ex: Exchange, send: jax.Array | None, x: Any) -> jax.Array | None:
       src = int(ex.source[rank])
