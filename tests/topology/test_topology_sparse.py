@@ -148,7 +148,7 @@ def test_dense_views_are_refused_past_the_cap_with_a_pointer_to_the_sparse_form(
   with pytest.raises(ValueError, match=r"only up to n = 8192 nodes.*topology.sparse\(step\).*topology.plans\(\)"):
     big.matrix()
   with pytest.raises(ValueError, match="dense"):
-    big.matrices
+    _ = big.matrices
   assert big.sparse().nnz == 3 * big.num_nodes
   # A hub given as an edge list is coloured into rounds and still needs n - 1 of them.
   leaves = np.arange(1, 65_536)
