@@ -1,4 +1,6 @@
 import os
+import sys
+from pathlib import Path
 
 # 8 CPU devices for the sharded and pmapped backends; XLA reads this when jax first loads.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -15,10 +17,6 @@ import gossipjax as gj  # noqa: E402
 
 # Before JAX's first computation: collectives over the 8 CPU devices need 16 client threads.
 gj.backend.reserve_cpu_threads()
-
-import sys
-from pathlib import Path
-
 
 # Test modules in the subfolders import the shared helpers (``_launch``) from here.
 sys.path.insert(0, str(Path(__file__).parent))

@@ -146,4 +146,5 @@ def check_collective_threads(devices: Iterable[jax.Device], where: str) -> None:
         f"deadlock and abort on a rendezvous timeout. Fix: call `gj.backend.reserve_cpu_threads()` after choosing the device count and "
         f"before the first JAX computation (or start the process with PJRT_NPROC={threads_needed(k)}).",
         RuntimeWarning,
+        stacklevel=2,
     )
