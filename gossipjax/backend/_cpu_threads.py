@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import jax
 
@@ -96,7 +96,7 @@ def pjrt_nproc_setting(local_devices: int, env: Mapping[str, str], cores: int | 
 def _cpu_client_started() -> bool:
   # JAX refuses a new jax_num_cpu_devices once its backends exist, and only then: the one public
   # way to ask without starting them. Where they have not started, the value is put back at once.
-  current = jax.config.jax_num_cpu_devices
+  current = jax.config.values["jax_num_cpu_devices"]
   try:
     jax.config.update("jax_num_cpu_devices", current + 1)
   except RuntimeError:
@@ -126,13 +126,13 @@ def reserve_cpu_threads() -> None:
   if _cpu_client_started():
     check_collective_threads(jax.local_devices(), "gj.backend.reserve_cpu_threads (called after JAX started)")
     return
-  devices = requested_cpu_devices(num_cpu_devices=jax.config.jax_num_cpu_devices)
+  devices = requested_cpu_devices(num_cpu_devices=jax.config.values["jax_num_cpu_devices"])
   value = pjrt_nproc_setting(devices, os.environ)
   if value is not None:
     os.environ["PJRT_NPROC"] = value
 
 
-def check_collective_threads(devices: Iterable[jax.Device], where: str) -> None:
+def check_collective_threads(devices: Iterable[Any], where: str) -> None:
   """Warns when this process's CPU client has too few threads for collectives over ``devices``."""
   local = [d for d in devices if d.process_index == jax.process_index()]
   if not local or local[0].platform != "cpu":
