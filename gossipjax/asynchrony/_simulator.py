@@ -15,6 +15,7 @@ import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
 import jax.numpy as jnp
 import optax
 from jax import lax
@@ -301,7 +302,7 @@ def adpsgd(
   comm = transfer_time(cluster, model_bytes)
   grad_fn = jax.grad(loss_fn)
 
-  if topology is None:
+  if lists is None:
     degree = lambda i: jnp.asarray(n - 1, jnp.int32)
     peer = lambda i, k: k + (k >= i).astype(k.dtype)  # the k-th node other than i
   else:
@@ -315,8 +316,9 @@ def adpsgd(
     if faults is None:
       k = jax.random.randint(key, (), 0, jnp.maximum(deg, 1), jnp.int32)
       return peer(i, k), deg > 0
+    outages = faults  # not None here, also in the closures below
     # Is any peer up? Scan i's peers until one is: O(1 + outages) steps unless most are down.
-    down = lambda k: _down_at(faults, peer(i, k), t)
+    down = lambda k: _down_at(outages, peer(i, k), t)
     first = lax.while_loop(lambda k: (k < deg) & down(k), lambda k: k + 1, jnp.zeros([], jnp.int32))
     found = first < deg
 
@@ -325,7 +327,7 @@ def adpsgd(
       key, _, _ = c
       key, sub = jax.random.split(key)
       j = peer(i, jax.random.randint(sub, (), 0, jnp.maximum(deg, 1), jnp.int32))
-      return key, j, ~_down_at(faults, j, t)
+      return key, j, ~_down_at(outages, j, t)
 
     _, j, _ = lax.while_loop(lambda c: ~c[2], draw, (key, i, ~found))
     return j, found
