@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -42,9 +43,8 @@ def conform(tree: Any, mesh: Mesh, specs: Any) -> Any:
     if isinstance(x, jax.core.Tracer):
       if not any(_explicit(mesh, a) for a in mesh.axis_names):
         return x
-      current = getattr(jax.typeof(x), "sharding", None)
-      if getattr(current, "spec", None) is not None and tuple(current.spec) == tuple(spec) + (None,) * (
-          x.ndim - len(spec)):
+      current = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+      if current is not None and tuple(current) == tuple(spec) + (None,) * (x.ndim - len(spec)):
         return x
       return jax.sharding.reshard(x, target)
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
@@ -134,7 +134,7 @@ class ShardedMixer:
         # Model-sharded nodes: each device mixes its own pieces, so every leaf keeps its layout
         # on the other axes, and only leaves split alike are packed together.
         specs = jax.tree.unflatten(treedef, found)
-        layouts = [tuple(f[1:]) for f in found]
+        layouts = [tuple(f[1:]) for f in found if f is not None]
       else:
         # An Auto mesh under jit hides the layouts: manual over the node axis only, the other
         # axes left to the compiler, and no packing across leaves whose layouts may differ.
@@ -157,7 +157,7 @@ class ShardedMixer:
     if fn is None:
       in_specs = (specs, part_specs, jax.tree.map(lambda _: P(), context), P())
       run = (lambda t, p, c, s: body(t, p, c, fixed)) if static else body
-      extra = {} if manual is None else {"axis_names": manual}
+      extra: dict[str, Any] = {} if manual is None else {"axis_names": manual}
       fn = jax.jit(jax.shard_map(run, mesh=self.mesh, in_specs=in_specs, out_specs=specs, **extra))
       self._compiled[key] = fn
     return fn(tree, parts, context, jnp.asarray(0 if static else step))
@@ -329,7 +329,7 @@ class Sharded:
         # per (fn, in_axes, argument structure): a second eager call does not compile again.
         # On a mesh with other axes, manual over the node axis only: a node's work (a model
         # split over a 'model' axis, a batch split over a node's devices) is left to the compiler.
-        extra = {"axis_names": frozenset({axis})} if self._other_axes else {}
+        extra: dict[str, Any] = {"axis_names": frozenset({axis})} if self._other_axes else {}
         body = jax.jit(jax.shard_map(jax.vmap(fn, in_axes=axes), mesh=self.mesh, in_specs=specs, out_specs=P(axis),
                                      **extra))
         self._compiled[key] = body
