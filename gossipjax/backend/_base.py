@@ -7,6 +7,7 @@ import contextvars
 from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import jax
+import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
 
 from gossipjax.topology import Topology
 
@@ -32,8 +33,12 @@ class Mixer(Protocol):
     [1.3333, 1.0, 2.0, 1.6667]
   """
 
-  topology: Topology
-  local_nodes: int  # the leading-axis size the transform sees where it runs
+  # Read-only, as a frozen dataclass's fields or a property are in the backends' mixers.
+  @property
+  def topology(self) -> Topology: ...
+
+  @property
+  def local_nodes(self) -> int: ...  # the leading-axis size the transform sees where it runs
 
   def mix(self, tree: Any, step: jax.Array | int, wire: Any = None) -> Any:
     """``x_i <- sum_j W(step)[i, j] x_j`` for every node, on every leaf.
