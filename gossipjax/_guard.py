@@ -120,7 +120,9 @@ def _num_nodes(tree: Any, what: str) -> int:
   sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
   if len(sizes) != 1 or None in sizes:
     raise ValueError(f"gj.guard_finite: every leaf of {what} needs the same leading node axis, got sizes {sizes}")
-  return sizes.pop()
+  (n,) = sizes
+  assert n is not None  # refused above
+  return n
 
 
 def _bad_nodes(tree: Any, n: int) -> jax.Array:
@@ -137,7 +139,7 @@ def _keep_old_for_bad(new: Any, old: Any, bad: jax.Array, n: int) -> Any:
 
   def pick(a, b):
     if (isinstance(a, jax.Array) and a.ndim >= 1 and a.shape[0] == n and a.shape == jnp.shape(b)
-        and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)):
+        and not jnp.issubdtype(a.dtype, jax.dtypes.prng_key)):
       return jnp.where(_per_node(bad, a), b, a)
     return a
 
@@ -242,7 +244,8 @@ def guard_finite(inner: optax.GradientTransformation,
         max_consecutive=state.max_consecutive,
     )
 
-  return NodeTransformation(init_fn, update_fn)
+  # optax's TransformUpdateFn names its first argument `updates`; here it is the gradient.
+  return NodeTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def _find_guard_state(state: Any) -> GuardFiniteState:
