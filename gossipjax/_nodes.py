@@ -62,7 +62,7 @@ def _node_leaves(tree: Any, what: str) -> list[tuple[Any, Any]]:
     if dtype is None or not hasattr(x, "shape"):
       raise TypeError(f"{what}: leaf {name} is a {type(x).__name__}, not an array with a leading node axis")
     numeric = jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
-    if not (numeric or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)):
+    if not (numeric or jnp.issubdtype(dtype, jax.dtypes.prng_key)):
       raise TypeError(f"{what}: leaf {name} has dtype {dtype}, which is neither a number nor a PRNG key")
     if not x.shape:
       raise ValueError(f"{what}: leaf {name} is a scalar of dtype {dtype}: every leaf needs a leading node axis")
