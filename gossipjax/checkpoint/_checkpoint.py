@@ -83,7 +83,7 @@ class CorruptCheckpointError(RuntimeError):
 
 def _is_key(x: Any) -> bool:
   dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _leaf_spec(path: str, x: Any) -> dict[str, Any]:
@@ -145,6 +145,8 @@ def _check_step(step: Any) -> int:
 
 def _flock(fd: int, operation: int) -> bool | None:
   """``flock``: True once taken, False if another process holds it, None where the file system has no flock."""
+  if fcntl is None:
+    return None
   try:
     fcntl.flock(fd, operation)
   except BlockingIOError:
@@ -352,7 +354,7 @@ def _sealed_steps(directory: pathlib.Path) -> dict[int, pathlib.Path]:
       olds.append(p)
   for p in sorted(olds):
     step = _old_step(p.name)
-    if step not in found and (p / _MANIFEST).is_file():
+    if step is not None and step not in found and (p / _MANIFEST).is_file():
       found[step] = p
   return found
 
