@@ -121,7 +121,7 @@ class Compressor:
   def wire_spec(self, shape: Sequence[int], dtype: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
     """Shapes and dtypes of what `encode_leaf` returns for a leaf of ``shape`` and ``dtype``,
     without encoding anything (what a backend allocates to receive it)."""
-    return _wire_spec(self, tuple(shape), jnp.dtype(dtype), bool(jax.config.jax_enable_x64))
+    return _wire_spec(self, tuple(shape), jnp.dtype(dtype), bool(jax.config.read("jax_enable_x64")))
 
   def bits(self, tree: Any) -> jax.Array:
     """Bits that cross the wire to send one node's pytree: the sizes of the `encode_leaf`
