@@ -85,6 +85,7 @@ def check_node_axes(axes: tuple[Any, ...], args: Sequence[Any], expected: int | 
     if shape[0] != expected:
       raise ValueError(f"{where}: {name} has shape {shape} but its leading node axis must be {expected}"
                        f"{source}; stack every node's values on axis 0, or pass shared values with in_axes=None")
+  assert expected is not None  # set by the first leaf, and there is one
   return expected
 
 
