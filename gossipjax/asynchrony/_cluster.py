@@ -47,7 +47,7 @@ class Cluster(NamedTuple):
 def cluster(
     num_nodes: int,
     base_time: float = 1.0,
-    slowdown: float | Sequence[float] = 1.0,
+    slowdown: float | Sequence[float] | np.ndarray = 1.0,
     jitter: float = 0.0,
     latency: float = 0.0,
     bandwidth: float = float("inf"),
