@@ -181,6 +181,7 @@ def mpi_adpsgd(
       raise
     traceback.print_exc()
     abort_job(comm, f"mpi_adpsgd: an exception on rank {rank} of {size}")
+    raise  # MPI_Abort does not return; were it to, the exception still ends this rank
   # Every rank reaches this barrier after releasing its locks; the progress threads
   # keep answering the others until all have arrived.
   comm.Barrier()
