@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,7 +57,7 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0, flat: bool = True) -
   require_train_extra("gj.data.load_digits", "sklearn")
   from sklearn.datasets import load_digits as sk_load_digits
 
-  d = sk_load_digits()
+  d: Any = sk_load_digits()  # a Bunch: scikit-learn has no annotations to say so
   x = (d.images / 16.0).astype(np.float32)
   x = x.reshape(len(x), -1) if flat else x[..., None]
   y = d.target.astype(np.int32)
@@ -193,7 +193,7 @@ def load_mnist(data_dir: str) -> Dataset:
                        f"{len(labels)} labels")
     _check_labels(labels_path, len(images), labels, "gj.data.load_mnist")
     splits += [images.astype(np.float32)[..., None] / 255.0, labels.astype(np.int32)]
-  return Dataset(*splits, 10)
+  return Dataset._make([*splits, 10])
 
 
 def _idx_array(path: str, raw: bytes, ndim: int) -> np.ndarray:
