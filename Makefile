@@ -34,7 +34,10 @@ install-mpi: $(VENV)/.installed-mpi
 demo: $(VENV)/.installed-train
 	$(BIN)/gossipjax train
 
+# Lint and types first (seconds), then the tests.
 test: install-mpi
+	$(BIN)/ruff check .
+	$(BIN)/basedpyright
 	$(BIN)/python -m pytest -q
 
 # The documentation site (docs/_build/html/index.html): every guide and notebook is executed,
