@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import optax
+from jax.typing import DTypeLike
 
 from gossipjax._validation import check_learning_rate, check_momentum, require_node_axis
 from gossipjax._transform import NodeTransformation
+from gossipjax.algorithms._common import check_state_dtype, in_dtypes_of_updates
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 
 
@@ -29,6 +31,7 @@ def allreduce_sgd(
     *,
     learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Parallel momentum SGD (PmSGD / AllReduce-SGD), the centralized baseline.
 
@@ -44,6 +47,8 @@ def allreduce_sgd(
       SGD on the averaged gradient.
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate); provides the all-reduce mean.
+    state_dtype: the momentum's dtype (optax's ``accumulator_dtype``), e.g. ``jnp.float32``
+      for bfloat16 params; ``None`` keeps the gradients'. Updates keep the gradients' dtype.
 
   Returns:
     An optax transform over node-stacked params; its update is ``-lr`` times the momentum
@@ -71,11 +76,15 @@ def allreduce_sgd(
   """
   check_learning_rate(learning_rate, "gj.allreduce_sgd")
   check_momentum(beta, "gj.allreduce_sgd")
+  state_dtype = check_state_dtype(state_dtype, "gj.allreduce_sgd")
   parts: list[Any] = [all_reduce(backend)]
   if not (isinstance(beta, (int, float)) and beta == 0):
-    parts.append(optax.trace(decay=beta))
+    parts.append(optax.trace(decay=beta, accumulator_dtype=state_dtype))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  return _node_axis_checked(float_leaves_only(optax.chain(*parts)), "gj.allreduce_sgd")
+  chained = optax.chain(*parts)
+  if state_dtype is not None:
+    chained = in_dtypes_of_updates(chained)
+  return _node_axis_checked(float_leaves_only(chained), "gj.allreduce_sgd")
 
 
 

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
-from gossipjax._validation import check_in_range, check_learning_rate, check_node_axis, require_params
-from gossipjax.algorithms._common import learning_rate_at
+from gossipjax._validation import check_in_range, check_learning_rate
+from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.compress._base import leaf_keys
 from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
 
@@ -83,6 +84,7 @@ def choco_sgd(
     key: jax.Array | int = 0,
     seed: int | None = None,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""CHOCO-SGD (Koloskova, Stich and Jaggi, ICML 2019, Algorithm 2).
 
@@ -127,6 +129,9 @@ def choco_sgd(
       compressors; node i draws from ``fold_in(key, i)``.
     seed: an int seed, the same as ``key=seed`` (give one or the other).
     backend: where the nodes live (default: simulate).
+    state_dtype: the dtype of the public copies and the neighbour sums, e.g. ``jnp.float32``
+      for bfloat16 params (the difference ``x - \hat x`` is then compressed in it);
+      ``None`` keeps the params'. The updates are in the params' dtype.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -151,6 +156,7 @@ def choco_sgd(
     raise TypeError(f"choco_sgd: compressor must be a gj.compress compressor, got {type(compressor).__name__}")
   check_learning_rate(learning_rate, "gj.choco_sgd")
   check_in_range(consensus_step, "gj.choco_sgd", "consensus_step", 0.0, 1.0, low_open=True)
+  state_dtype = check_state_dtype(state_dtype, "gj.choco_sgd")
   mixer = make_mixer(topology, backend)
   contraction = compressor.contraction()
   base_key = _raw_key(key if seed is None else seed, "gj.choco_sgd")
@@ -165,8 +171,8 @@ def choco_sgd(
     n = leaves[0].shape[0] if leaves and leaves[0].ndim else mixer.local_nodes
     state = ChocoState(
         count=jnp.zeros([], jnp.int32),
-        public=optax.tree.zeros_like(params),
-        neighbour_sum=optax.tree.zeros_like(params),
+        public=optax.tree.zeros_like(params, state_dtype),
+        neighbour_sum=optax.tree.zeros_like(params, state_dtype),
         # Keyed by the global node index, so a node draws the same bits on every backend.
         key=jax.vmap(lambda i: jax.random.fold_in(base_key, i))(mixer.first_node() + jnp.arange(n)),
         message_bits=jnp.zeros([n], float),
@@ -175,9 +181,7 @@ def choco_sgd(
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
-    require_params(params, "gj.choco_sgd")
-    check_node_axis(params, mixer.local_nodes, "gj.choco_sgd", mixer.topology.name)
-    lr = learning_rate_at(learning_rate, state.count)
+    lr = start_step("gj.choco_sgd", mixer, params, learning_rate, state.count)
     half = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, state.count))(state.key)
     diff = jax.tree.map(lambda h, p: h - p, half, state.public)
@@ -196,7 +200,7 @@ def choco_sgd(
       wire = Wire([tuple(c) for c in treedef.flatten_up_to(compact)], decode, state.count)
       neighbour_sum = jax.tree.map(lambda s, wq: s + wq, state.neighbour_sum, mixer.mix(q, state.count, wire))
     eta = consensus_step
-    updates = jax.tree.map(lambda h, s, p, x: (h + eta * (s - p) - x).astype(x.dtype),
+    updates = jax.tree.map(lambda h, s, p, x: (h + eta * (s - p)).astype(x.dtype) - x,
                            half, neighbour_sum, public, params)
     return updates, ChocoState(
         count=optax.safe_increment(state.count),

@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
-from gossipjax._validation import check_learning_rate, check_momentum, check_node_axis, require_params
+from gossipjax._validation import check_learning_rate, check_momentum
+from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 
 
@@ -54,6 +56,7 @@ def decentlam(
     *,
     learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DecentLaM (Yuan et al., ICCV 2021; Algorithm 2 of Yuan's 2021 lecture).
 
@@ -73,6 +76,9 @@ def decentlam(
       DecentLaM to D-PSGD (the paper uses 0.9).
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
+    state_dtype: the momentum's dtype, e.g. ``jnp.float32`` for bfloat16 params (the gossip
+      correction is then divided by the learning rate in it); ``None`` keeps the params'.
+      The updates are in the params' dtype.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -103,27 +109,26 @@ def decentlam(
   """
   check_learning_rate(learning_rate, "gj.decentlam")
   check_momentum(beta, "gj.decentlam")
+  state_dtype = check_state_dtype(state_dtype, "gj.decentlam")
   mixer = make_mixer(topology, backend)
   _check_symmetric(mixer.topology, beta)
 
   def init_fn(params):
-    return DecentLaMState(count=jnp.zeros([], jnp.int32), momentum=optax.tree.zeros_like(params))
+    return DecentLaMState(count=jnp.zeros([], jnp.int32), momentum=optax.tree.zeros_like(params, state_dtype))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
-    require_params(params, "gj.decentlam")
-    check_node_axis(params, mixer.local_nodes, "gj.decentlam", mixer.topology.name)
-    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    lr = start_step("gj.decentlam", mixer, params, learning_rate, state.count)
     half = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
     mixed = mixer.mix(half, state.count)
     safe_lr = jnp.where(lr == 0, 1, lr)
 
     def momentum(m, x, w):
-      corrected = jnp.where(lr == 0, 0, (x - w) / safe_lr.astype(x.dtype))
+      corrected = jnp.where(lr == 0, 0, (x.astype(m.dtype) - w.astype(m.dtype)) / safe_lr.astype(m.dtype))
       return (beta * m + corrected).astype(m.dtype)
 
     mom = jax.tree.map(momentum, state.momentum, params, mixed)
-    updates = jax.tree.map(lambda m: (-lr * m).astype(m.dtype), mom)
+    updates = jax.tree.map(lambda m, x: (-lr * m).astype(x.dtype), mom, params)
     return updates, DecentLaMState(count=optax.safe_increment(state.count), momentum=mom)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

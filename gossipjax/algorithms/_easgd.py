@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.typing import DTypeLike
 
 from gossipjax._validation import check_in_range, check_learning_rate, check_period, require_node_axis, require_params
-from gossipjax.algorithms._common import copy_of, is_abstract, learning_rate_at
+from gossipjax.algorithms._common import check_state_dtype, copy_of, in_state_dtype, is_abstract, learning_rate_at
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 
 
@@ -36,6 +37,7 @@ def easgd(
     center_rate: float = 0.9,
     every: int = 1,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Synchronous elastic averaging SGD (EASGD), the centralized elastic baseline.
 
@@ -65,6 +67,9 @@ def easgd(
       workers' average.
     every: tau, apply the elastic terms every ``every`` steps (local SGD in between).
     backend: where the nodes live (default: simulate); provides the all-reduce mean.
+    state_dtype: the center's dtype, e.g. ``jnp.float32`` for bfloat16 params (the workers'
+      average is then taken in it); ``None`` keeps the params'. The updates are in the
+      params' dtype.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -94,11 +99,15 @@ def easgd(
   check_in_range(alpha, "gj.easgd", "alpha", 0.0, 1.0)
   check_in_range(center_rate, "gj.easgd", "center_rate", 0.0, 1.0)
   every = check_period(every, "gj.easgd")
+  state_dtype = check_state_dtype(state_dtype, "gj.easgd")
   backend = resolve_backend(backend)
+  wide = lambda params: jax.tree.map(lambda x: in_state_dtype(x, state_dtype), params)
 
   def init_fn(params):
     require_node_axis(params, "gj.easgd")
-    return EASGDState(count=jnp.zeros([], jnp.int32), center=copy_of(params) if is_abstract(params) else backend.mean(params))
+    if is_abstract(params):
+      return EASGDState(count=jnp.zeros([], jnp.int32), center=copy_of(params, state_dtype))
+    return EASGDState(count=jnp.zeros([], jnp.int32), center=backend.mean(wide(params)))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
@@ -109,7 +118,7 @@ def easgd(
 
     def elastic(sgd):
       updates = jax.tree.map(lambda u, x, c: (u - alpha * (x - c)).astype(x.dtype), sgd, params, state.center)
-      mean = backend.mean(params)
+      mean = backend.mean(wide(params))
       center = jax.tree.map(lambda c, m: (c + center_rate * (m - c)).astype(c.dtype), state.center, mean)
       return updates, center
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
-from gossipjax._validation import (check_learning_rate, check_node_axis, require_params, require_static,
-                                   require_symmetric)
-from gossipjax.algorithms._common import copy_of, learning_rate_at
-from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+from gossipjax.algorithms._common import primal_dual_method
+from gossipjax.mixing import Backend
 
 
 
@@ -33,6 +31,7 @@ def exact_diffusion(
     *,
     learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Exact diffusion (Yuan, Ying, Zhao and Sayed, IEEE TSP 2019), also D2 (Tang et al. 2018).
 
@@ -54,6 +53,9 @@ def exact_diffusion(
       directed W too: there the correction can diverge (use ``gj.gradient_tracking``).
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
+    state_dtype: the dtype of ``psi``, in which ``phi`` is formed and mixed, e.g.
+      ``jnp.float32`` for bfloat16 params; ``None`` keeps the params'. The updates are in the
+      params' dtype.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -85,24 +87,13 @@ def exact_diffusion(
     Tang, Lian, Yan, Zhang, Liu (2018), D2: Decentralized Training over Decentralized Data,
     ICML.
   """
-  check_learning_rate(learning_rate, "gj.exact_diffusion")
-  mixer = make_mixer(topology, backend)
-  require_static(mixer.topology, "gj.exact_diffusion")
-  require_symmetric(mixer.topology, "gj.exact_diffusion", "exact diffusion")
+  return primal_dual_method("gj.exact_diffusion", "exact diffusion", topology, backend, learning_rate, state_dtype,
+                            ExactDiffusionState, _adapt_correct_combine)
 
-  def init_fn(params):
-    # A copy, not a view: a jitted step that donates both params and state needs distinct buffers.
-    return ExactDiffusionState(count=jnp.zeros([], jnp.int32), psi=copy_of(params))
 
-  def update_fn(grads, state, params=None, **extra_args):
-    del extra_args
-    require_params(params, "gj.exact_diffusion")
-    check_node_axis(params, mixer.local_nodes, "gj.exact_diffusion", mixer.topology.name)
-    lr = learning_rate_at(learning_rate, state.count)
-    psi = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
-    phi = jax.tree.map(lambda p, x, p_old: p + x - p_old, psi, params, state.psi)
-    mixed = mixer.mix(phi, state.count)
-    updates = jax.tree.map(lambda wp, p, x: (0.5 * (p + wp) - x).astype(x.dtype), mixed, phi, params)
-    return updates, ExactDiffusionState(count=optax.safe_increment(state.count), psi=psi)
-
-  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))
+def _adapt_correct_combine(mix, params, grads, psi_old, lr):
+  """psi = x - lr g, phi = psi + x - psi_old, x+ = (phi + W phi) / 2, in psi's dtype."""
+  psi = jax.tree.map(lambda x, g, p: x.astype(p.dtype) - (lr * g).astype(p.dtype), params, grads, psi_old)
+  phi = jax.tree.map(lambda p, x, p_old: p + x - p_old, psi, params, psi_old)
+  updates = jax.tree.map(lambda wp, p, x: (0.5 * (p + wp)).astype(x.dtype) - x, mix(phi), phi, params)
+  return updates, psi

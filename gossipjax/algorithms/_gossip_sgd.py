@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import optax
+from jax.typing import DTypeLike
 
 from gossipjax._validation import check_learning_rate, check_momentum
+from gossipjax.algorithms._common import check_state_dtype
 from gossipjax.mixing import Backend, float_leaves_only, mix
 
 
@@ -17,6 +19,7 @@ def gossip_sgd(
     *,
     learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Decentralized momentum SGD (DmSGD); D-PSGD when ``beta = 0``.
 
@@ -35,6 +38,9 @@ def gossip_sgd(
       D-PSGD (the DmSGD papers use 0.9).
     learning_rate: a float or an optax schedule.
     backend: where the nodes live (default: simulate).
+    state_dtype: the momentum's dtype (optax's ``accumulator_dtype``), e.g. ``jnp.float32``
+      for bfloat16 params; ``None`` keeps the params'. The local step ``x - lr m`` is then
+      formed and mixed in that dtype (JAX's promotion); the updates are in the params' dtype.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``), the
@@ -65,8 +71,9 @@ def gossip_sgd(
   """
   check_learning_rate(learning_rate, "gj.gossip_sgd")
   check_momentum(beta, "gj.gossip_sgd")
+  state_dtype = check_state_dtype(state_dtype, "gj.gossip_sgd")
   parts = []
   if not (isinstance(beta, (int, float)) and beta == 0):
-    parts.append(optax.trace(decay=beta))
+    parts.append(optax.trace(decay=beta, accumulator_dtype=state_dtype))
   parts += [optax.scale_by_learning_rate(learning_rate), mix(topology, backend=backend)]
   return float_leaves_only(optax.chain(*parts))

@@ -7,9 +7,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
-from gossipjax._validation import check_learning_rate, check_node_axis, require_params
-from gossipjax.algorithms._common import learning_rate_at
+from gossipjax._validation import check_learning_rate
+from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 
 
@@ -32,6 +33,7 @@ def gradient_tracking(
     *,
     learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Gradient tracking, DIGing (Nedic, Olshevsky and Shi, SIAM J. Optim. 2017).
 
@@ -52,6 +54,9 @@ def gradient_tracking(
     topology: doubly stochastic mixing, static or time-varying.
     learning_rate: a float or an optax schedule (``gamma_k`` multiplies ``y^k``).
     backend: where the nodes live (default: simulate).
+    state_dtype: the dtype of the correction, hence of the tracker ``y`` (which is formed
+      and mixed in it), e.g. ``jnp.float32`` for bfloat16 params; ``None`` keeps the params'.
+      The updates are in the params' dtype.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -70,19 +75,18 @@ def gradient_tracking(
     Optimization over Time-Varying Graphs, SIAM Journal on Optimization 27(4).
   """
   check_learning_rate(learning_rate, "gj.gradient_tracking")
+  state_dtype = check_state_dtype(state_dtype, "gj.gradient_tracking")
   mixer = make_mixer(topology, backend)
 
   def init_fn(params):
-    return GradientTrackingState(count=jnp.zeros([], jnp.int32), correction=optax.tree.zeros_like(params))
+    return GradientTrackingState(count=jnp.zeros([], jnp.int32), correction=optax.tree.zeros_like(params, state_dtype))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
-    require_params(params, "gj.gradient_tracking")
-    check_node_axis(params, mixer.local_nodes, "gj.gradient_tracking", mixer.topology.name)
-    lr = learning_rate_at(learning_rate, state.count)
+    lr = start_step("gj.gradient_tracking", mixer, params, learning_rate, state.count)
     tracker = jax.tree.map(lambda c, g: c + g.astype(c.dtype), state.correction, grads)
     mixed_x, mixed_y = mixer.mix((params, tracker), state.count)
-    updates = jax.tree.map(lambda wx, x, y: (wx - lr * y - x).astype(x.dtype), mixed_x, params, tracker)
+    updates = jax.tree.map(lambda wx, x, y: (wx - lr * y).astype(x.dtype) - x, mixed_x, params, tracker)
     correction = jax.tree.map(lambda wy, g: wy - g.astype(wy.dtype), mixed_y, grads)
     return updates, GradientTrackingState(count=optax.safe_increment(state.count), correction=correction)
 

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.typing import DTypeLike
 
 from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._nodes import per_node
 from gossipjax._validation import check_in_range, check_node_axis, check_period, require_params
-from gossipjax.algorithms._common import copy_of
+from gossipjax.algorithms._common import check_state_dtype, copy_of
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
 from gossipjax.topology import as_topology
 
@@ -60,6 +61,7 @@ def outer_optimizer(
     inner_steps: int,
     topology: Any = None,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Local training with an outer optimizer: ``inner_steps`` local steps, then one combined outer step.
 
@@ -100,6 +102,11 @@ def outer_optimizer(
       topology for one gossip round; W advances one step of its period per outer round.
     backend: where the nodes live (default: simulate); provides the all-reduce, the mixer
       and the per-node map.
+    state_dtype: the dtype of the outer params ``phi`` (the anchor) and of ``outer``'s
+      state, which the pseudo-gradients and the outer step are computed in, e.g.
+      ``jnp.float32`` for bfloat16 params; ``None`` keeps the params'. ``inner``'s state
+      follows ``inner`` (e.g. ``optax.adamw(..., mu_dtype=jnp.float32)``). The updates are in
+      the params' dtype.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -134,15 +141,17 @@ def outer_optimizer(
     Kolehmainen, Blagoev, Donaghy, Ersoy, Nies (2025), NoLoCo: No-all-reduce Low
     Communication Training Method for Large Models, arXiv:2506.10911.
   """
-  return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.outer_optimizer")
+  return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.outer_optimizer", state_dtype)
 
 
 def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientTransformation, inner_steps: int,
-                     topology: Any, backend: Backend | None, name: str) -> optax.GradientTransformationExtraArgs:
+                     topology: Any, backend: Backend | None, name: str,
+                     state_dtype: DTypeLike | None = None) -> optax.GradientTransformationExtraArgs:
   """`outer_optimizer`, with ``name`` (the public function called) in its error messages."""
   _check_transform(inner, name, "inner", "optax.adamw(4e-4)")
   _check_transform(outer, name, "outer", "optax.sgd(0.7, momentum=0.9, nesterov=True)")
   inner_steps = check_period(inner_steps, name, "inner_steps")
+  state_dtype = check_state_dtype(state_dtype, name)
   backend = resolve_backend(backend)
   mixer = None if topology is None else make_mixer(topology, backend)
   inner_pn, outer_pn = per_node(inner, backend=backend), per_node(outer, backend=backend)
@@ -155,11 +164,12 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
                       f"{arg}, so its state must be a pytree of arrays") from e
 
   def init_fn(params):
+    anchor = copy_of(params, state_dtype)
     return OuterState(
         count=jnp.zeros([], jnp.int32),
-        anchor=copy_of(params),
+        anchor=anchor,
         inner_state=stacked_init(inner_pn, params, "inner"),
-        outer_state=stacked_init(outer_pn, params, "outer"),
+        outer_state=stacked_init(outer_pn, anchor, "outer"),
     )
 
   def combined(theta, outer_round):
@@ -178,10 +188,13 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
     def outer_step(operands):
       inner_updates, anchor, outer_state = operands
       theta = jax.tree.map(lambda x, u: x + u, params, inner_updates)
-      pseudo_grads = jax.tree.map(lambda phi, c: phi - c, anchor, combined(theta, state.count // inner_steps))
+      # Measured from where the round started, phi in the params' dtype: phi's extra digits
+      # (state_dtype) are not fed back as a pseudo-gradient.
+      start = jax.tree.map(lambda phi, x: phi.astype(x.dtype).astype(phi.dtype), anchor, params)
+      pseudo_grads = jax.tree.map(lambda phi, c: phi - c, start, combined(theta, state.count // inner_steps))
       steps, outer_state = outer_pn.update(pseudo_grads, outer_state, anchor)
       anchor = jax.tree.map(lambda phi, s: (phi + s).astype(phi.dtype), anchor, steps)
-      updates = jax.tree.map(lambda phi, x: phi - x, anchor, params)
+      updates = jax.tree.map(lambda phi, x: phi.astype(x.dtype) - x, anchor, params)
       return updates, anchor, outer_state
 
     updates, anchor, outer_state = lax.cond(
@@ -202,6 +215,7 @@ def diloco(
     outer_momentum: float = 0.9,
     nesterov: bool = True,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: H local steps of ``inner`` per node, then an all-reduce and an outer Nesterov step.
 
@@ -229,6 +243,8 @@ def diloco(
     outer_momentum: :math:`\mu` in [0, 1) (0.9 in the paper).
     nesterov: Nesterov momentum (the paper's) or heavy-ball.
     backend: where the nodes live (default: simulate); provides the all-reduce.
+    state_dtype: the dtype of :math:`\phi` and :math:`m`, e.g. ``jnp.float32`` for bfloat16
+      params (as in `outer_optimizer`); ``None`` keeps the params'.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -259,7 +275,7 @@ def diloco(
   _check_outer_rates(outer_learning_rate, outer_momentum, "gj.diloco")
   _check_transform(inner, "gj.diloco", "inner", "optax.adamw(4e-4)")
   outer = optax.sgd(outer_learning_rate, momentum=outer_momentum, nesterov=nesterov)
-  return _outer_optimizer(inner, outer, inner_steps, None, backend, "gj.diloco")
+  return _outer_optimizer(inner, outer, inner_steps, None, backend, "gj.diloco", state_dtype)
 
 
 def _check_pairing(topology: Any, name: str) -> None:
@@ -292,6 +308,7 @@ def noloco(
     outer_learning_rate: float = 0.7,
     outer_momentum: float = 0.5,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""NoLoCo: H local steps of ``inner``, then one exchange with a random peer and a modified momentum step.
 
@@ -320,6 +337,8 @@ def noloco(
     outer_learning_rate: :math:`\eta`, or an optax schedule, called with the outer round.
     outer_momentum: :math:`\mu` in [0, 1).
     backend: where the nodes live (default: simulate).
+    state_dtype: the dtype of :math:`\phi` and :math:`\delta` (as in `outer_optimizer`);
+      ``None`` keeps the params'.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -350,4 +369,4 @@ def noloco(
   _check_transform(inner, "gj.noloco", "inner", "optax.adam(2e-4)")
   _check_pairing(topology, "gj.noloco")
   outer = optax.sgd(outer_learning_rate, momentum=outer_momentum)
-  return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.noloco")
+  return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.noloco", state_dtype)

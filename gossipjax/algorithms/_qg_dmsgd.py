@@ -7,9 +7,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
-from gossipjax._validation import check_in_range, check_learning_rate, check_momentum, check_node_axis, require_params
-from gossipjax.algorithms._common import learning_rate_at
+from gossipjax._validation import check_in_range, check_learning_rate, check_momentum
+from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 
 
@@ -33,6 +34,7 @@ def qg_dmsgd(
     learning_rate: optax.ScalarOrSchedule,
     mu: float | None = None,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Quasi-global momentum DSGD, QG-DSGDm (Lin, Karimireddy, Stich and Jaggi, ICML 2021).
 
@@ -59,6 +61,9 @@ def qg_dmsgd(
       Algorithm 1; the authors' code uses ``mu = 0.1`` whatever ``beta`` is, so the two
       agree only at ``beta = 0.9``: pass ``mu=0.1`` to match that code.
     backend: where the nodes live (default: simulate).
+    state_dtype: the quasi-global momentum's dtype, e.g. ``jnp.float32`` for bfloat16 params
+      (the displacement is then read in it, before the update is rounded); ``None`` keeps
+      the params'. The updates are in the params' dtype.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -83,28 +88,27 @@ def qg_dmsgd(
   """
   check_learning_rate(learning_rate, "gj.qg_dmsgd")
   check_momentum(beta, "gj.qg_dmsgd")
+  state_dtype = check_state_dtype(state_dtype, "gj.qg_dmsgd")
   mixer = make_mixer(topology, backend)
   mu = beta if mu is None else mu
   check_in_range(mu, "gj.qg_dmsgd", "mu", 0.0, 1.0)
 
   def init_fn(params):
-    return QGMomentumState(count=jnp.zeros([], jnp.int32), momentum=optax.tree.zeros_like(params))
+    return QGMomentumState(count=jnp.zeros([], jnp.int32), momentum=optax.tree.zeros_like(params, state_dtype))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
-    require_params(params, "gj.qg_dmsgd")
-    check_node_axis(params, mixer.local_nodes, "gj.qg_dmsgd", mixer.topology.name)
-    lr = learning_rate_at(learning_rate, state.count)
+    lr = start_step("gj.qg_dmsgd", mixer, params, learning_rate, state.count)
     half = jax.tree.map(lambda x, g, m: x - (lr * (g + beta * m)).astype(x.dtype), params, grads, state.momentum)
     mixed = mixer.mix(half, state.count)
     updates = jax.tree.map(lambda w, x: (w - x).astype(x.dtype), mixed, params)
     safe_lr = jnp.where(lr == 0, 1, lr)
 
-    def momentum(m, u):
-      displacement = jnp.where(lr == 0, m, -u / safe_lr.astype(u.dtype))
+    def momentum(m, w, x):
+      displacement = jnp.where(lr == 0, m, (x.astype(m.dtype) - w.astype(m.dtype)) / safe_lr.astype(m.dtype))
       return (mu * m + (1 - mu) * displacement).astype(m.dtype)
 
     return updates, QGMomentumState(count=optax.safe_increment(state.count),
-                                    momentum=jax.tree.map(momentum, state.momentum, updates))
+                                    momentum=jax.tree.map(momentum, state.momentum, mixed, params))
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -7,9 +7,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
-from gossipjax._validation import check_learning_rate, check_momentum, check_node_axis, require_params
-from gossipjax.algorithms._common import learning_rate_at
+from gossipjax._validation import check_learning_rate, check_momentum
+from gossipjax.algorithms._common import check_state_dtype, in_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, make_mixer
 
 
@@ -35,6 +36,7 @@ def sgp(
     *,
     learning_rate: optax.ScalarOrSchedule,
     backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Stochastic Gradient Push (Assran, Loizou, Ballas and Rabbat, ICML 2019).
 
@@ -62,6 +64,9 @@ def sgp(
     beta: local momentum coefficient in [0, 1); 0, the default in every gossipjax method, is
       plain SGP (the paper uses 0.9).
     backend: where the nodes live (default: simulate).
+    state_dtype: the dtype of the momentum and the push-sum weights, in which the
+      numerators ``z = w x`` are formed and mixed, e.g. ``jnp.float32`` for bfloat16 params;
+      ``None`` keeps the params'. The updates are in the params' dtype.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``, the
@@ -87,30 +92,29 @@ def sgp(
   """
   check_learning_rate(learning_rate, "gj.sgp")
   check_momentum(beta, "gj.sgp")
+  state_dtype = check_state_dtype(state_dtype, "gj.sgp")
   mixer = make_mixer(topology, backend, stochastic="column")
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)
     if not leaves:
       raise ValueError("gj.sgp: params have no leaves")
-    dtype = jnp.result_type(*[x.dtype for x in leaves])
+    dtype = state_dtype or jnp.result_type(*[x.dtype for x in leaves])
     return SGPState(
         count=jnp.zeros([], jnp.int32),
         push_weight=follow_placement(jnp.ones(leaves[0].shape[:1], dtype), params),
-        momentum=optax.tree.zeros_like(params),
+        momentum=optax.tree.zeros_like(params, state_dtype),
     )
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args
-    require_params(params, "gj.sgp")
-    check_node_axis(params, mixer.local_nodes, "gj.sgp", mixer.topology.name)
-    lr = learning_rate_at(learning_rate, state.count)
+    lr = start_step("gj.sgp", mixer, params, learning_rate, state.count)
     per_node = lambda w, x: w.astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
     momentum = jax.tree.map(lambda m, g: (beta * m + g).astype(m.dtype), state.momentum, grads)
-    z_half = jax.tree.map(lambda x, u: per_node(state.push_weight, x) * x - (lr * u).astype(x.dtype),
-                          params, momentum)
+    wide = jax.tree.map(lambda x: in_state_dtype(x, state_dtype), params)
+    z_half = jax.tree.map(lambda x, u: per_node(state.push_weight, x) * x - (lr * u).astype(x.dtype), wide, momentum)
     z, w = mixer.mix((z_half, state.push_weight), state.count)
-    updates = jax.tree.map(lambda zi, x: (zi / per_node(w, x) - x).astype(x.dtype), z, params)
+    updates = jax.tree.map(lambda zi, x: (zi / per_node(w, zi)).astype(x.dtype) - x, z, params)
     return updates, SGPState(count=optax.safe_increment(state.count), push_weight=w, momentum=momentum)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -22,6 +22,9 @@ class MixState(NamedTuple):
   Attributes:
     count: int32 scalar, the number of steps taken; selects W(k) for time-varying
       topologies (gossip round ``count // every``).
+
+  The class attribute ``zeroes_skipped_nodes = True`` tells ``gj.guard_finite`` that `mix`
+  zeroes the local update of the nodes it skips before mixing (see ``gj.SkipNodes``).
   """
 
   count: jax.Array  # steps taken; selects W(k) for time-varying topologies
@@ -53,7 +56,9 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
 
   Returns:
     An optax transform of updates (its ``update`` needs ``params``) whose state is a
-    `MixState`; non-float leaves' updates pass through unchanged.
+    `MixState`; non-float leaves' updates pass through unchanged. The update is the mixed
+    model rounded once to the params' dtype, minus ``x``: an update wider than the params
+    (a float32 momentum for bfloat16 params) is mixed in its own dtype.
 
   Example:
     >>> import jax.numpy as jnp, optax, gossipjax as gj
@@ -87,7 +92,7 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
 
     def gossip(x_half):
       mixed = mixer.mix(x_half, state.count // every)
-      return jax.tree.map(lambda m, x: (m - x).astype(x.dtype), mixed, params)
+      return jax.tree.map(lambda m, x: m.astype(x.dtype) - x, mixed, params)
 
     if isinstance(every, int) and every == 1:
       new_updates = gossip(x_half)

@@ -16,6 +16,8 @@ import pytest
 import gossipjax as gj
 from gossipjax import topology as T
 
+from _steps import scan_steps
+
 N, D, M = 8, 5, 40
 
 
@@ -41,16 +43,7 @@ def grad_jax(x):
 
 def trajectory(tx, x0, steps):
   """Iterates x^1..x^steps of ``tx`` on the least-squares problem (one jitted scan)."""
-
-  def body(carry, _):
-    x, state = carry
-    updates, state = tx.update(grad_jax(x), state, x)
-    x = optax.apply_updates(x, updates)
-    return (x, state), x
-
-  x0 = jnp.asarray(x0)
-  _, xs = jax.jit(lambda c: jax.lax.scan(body, c, None, steps))((x0, tx.init(x0)))
-  return np.asarray(xs)
+  return scan_steps(tx, x0, grad_jax, steps)[0]
 
 
 def limit(tx, steps=8000):

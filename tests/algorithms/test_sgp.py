@@ -9,6 +9,8 @@ import pytest
 import gossipjax as gj
 from gossipjax import topology as T
 
+from _steps import scan_steps
+
 N, D = 8, 4
 
 
@@ -35,18 +37,6 @@ def random_push_topology(n=N, steps=3, seed=0):
 PUSH = random_push_topology()
 
 
-def run(tx, x0, grad_fn, steps):
-  def body(carry, _):
-    x, state = carry
-    updates, state = tx.update(grad_fn(x), state, x)
-    x = optax.apply_updates(x, updates)
-    return (x, state), x
-
-  x0 = jnp.asarray(x0)
-  (_, state), xs = jax.jit(lambda c: jax.lax.scan(body, c, None, steps))((x0, tx.init(x0)))
-  return np.asarray(xs), state
-
-
 def test_push_topology_is_column_but_not_row_stochastic():
   PUSH.check("column")
   with pytest.raises(ValueError, match="row stochastic"):
@@ -60,7 +50,7 @@ def test_sgp_is_push_sum_with_local_momentum():
   grad_np = lambda x: x - c  # f_i(x) = ||x - c_i||^2 / 2
   lr, beta, steps = 0.1, 0.5, 12
   x0 = rng.normal(size=(N, D))
-  got, state = run(gj.sgp(PUSH, learning_rate=lr, beta=beta), x0, lambda x: x - c, steps)
+  got, state = scan_steps(gj.sgp(PUSH, learning_rate=lr, beta=beta), x0, lambda x: x - c, steps)
   z, w, u = x0.copy(), np.ones(N), np.zeros((N, D))
   for k in range(steps):
     x = z / w[:, None]
@@ -79,7 +69,7 @@ def test_sgp_is_push_sum_with_local_momentum():
 ], ids=["one_peer_directed_exponential", "directed_exponential", "random_push"])
 def test_sgp_with_zero_gradients_reaches_the_exact_initial_average(topo, steps):
   x0 = np.random.default_rng(2).normal(size=(16, 3)) * np.arange(1, 17)[:, None]
-  xs, state = run(gj.sgp(topo, learning_rate=0.1), x0, jnp.zeros_like, steps)
+  xs, state = scan_steps(gj.sgp(topo, learning_rate=0.1), x0, jnp.zeros_like, steps)
   np.testing.assert_allclose(xs[-1], np.tile(x0.mean(0), (16, 1)), rtol=0, atol=1e-10)
   if topo.name == "random_push":
     # the numerators z = w x, which is what plain mixing with this W would give, settle at
@@ -98,7 +88,7 @@ def test_sgp_on_least_squares_reaches_consensus_near_the_minimiser():
   spread = float(gj.consensus_distance(jnp.asarray(local)))  # how far apart the nodes want to be
   lr = optax.polynomial_schedule(0.1, 0.0, power=1, transition_steps=3000)
   for topo in (T.directed_exponential(N), PUSH):
-    xs, _ = run(gj.sgp(topo, learning_rate=lr), np.zeros((N, D)), grad, 3000)
+    xs, _ = scan_steps(gj.sgp(topo, learning_rate=lr), np.zeros((N, D)), grad, 3000)
     assert float(gj.consensus_distance(jnp.asarray(xs[-1]))) < 1e-6 * spread
     assert np.abs(xs[-1] - x_star).max() < 0.05
 
