@@ -119,7 +119,7 @@ def spectral_gap(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) 
 
 
 def rho_per_period(topology: Topology) -> float:
-  r"""The per-step rate of a time-varying topology over its period: ``rho(W(p-1) ... W(0)) ** (1/p)``.
+  r"""The rate per step of a time-varying topology: rho of the product of one period, to the power 1/p.
 
   One matrix of a time-varying topology can leave the nodes unconnected (a step of
   `one_peer_exponential` pairs each node with one peer: rho near 1), while the period as a
