@@ -45,6 +45,9 @@ def _raw_key(key: Any, name: str) -> jax.Array:
   """A PRNG key as raw uint32 words: from an int seed, a typed key (``jax.random.key``) or a raw key."""
   if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
     return jax.random.PRNGKey(int(key))
+  if isinstance(key, (jax.Array, np.ndarray)) and key.shape == () and jnp.issubdtype(key.dtype, jnp.integer):
+    raise TypeError(f"{name}: the seed arrived as an array ({key!r}); under optax.inject_hyperparams pass "
+                    "static_args=('key', 'seed'): receivers rebuild the senders' keys from it, so it must be fixed")
   if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
     return jax.random.key_data(key)
   if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.ndim == 1:
@@ -159,7 +162,8 @@ def choco_sgd(
   state_dtype = check_state_dtype(state_dtype, "gj.choco_sgd")
   mixer = make_mixer(topology, backend)
   contraction = compressor.contraction()
-  base_key = _raw_key(key if seed is None else seed, "gj.choco_sgd")
+  with jax.ensure_compile_time_eval():  # concrete even when built inside a trace (optax.inject_hyperparams)
+    base_key = _raw_key(key if seed is None else seed, "gj.choco_sgd")
   if seed is not None and not (isinstance(key, int) and key == 0):
     raise ValueError("gj.choco_sgd: give key or seed, not both (seed=s is key=s)")
   # Compression is per node; the backend's map keeps it on the device that holds the node (a

@@ -58,7 +58,7 @@ METHODS = [
     _method("sgp", gj.sgp, dict(topology=T.one_peer_directed_exponential(N), learning_rate=0.1, beta=0.5)),
     _method("choco_sgd-qsgd", gj.choco_sgd,
             dict(topology=W, learning_rate=0.1, compressor=gj.compress.qsgd(4), consensus_step=0.5, seed=1),
-            bf16_drift=0.1),
+            static_args=("key", "seed"), bf16_drift=0.1),
     _method("qg_dmsgd", gj.qg_dmsgd, dict(topology=W, beta=0.9, learning_rate=0.1), bf16_drift=2e-2),
     Method("gossip_sgd+periodic_average",
            lambda: optax.chain(gj.gossip_sgd(W, learning_rate=0.1), gj.periodic_average(2)), None, {}, True),
@@ -374,6 +374,9 @@ def test_inject_hyperparams_takes_every_and_follows_a_change_without_recompiling
   run(easgd, params, grads, 2)
   with pytest.raises(TypeError, match=r"static_args=\('every',\)"):
     optax.inject_hyperparams(gj.mix)(W, every=2.0).init(params)
+  choco = optax.inject_hyperparams(gj.choco_sgd)(W, gj.compress.qsgd(4), learning_rate=0.1, consensus_step=0.5, seed=1)
+  with pytest.raises(TypeError, match=r"static_args=\('key', 'seed'\)"):
+    choco.init(params)
 
 
 SHARDED_CASES = {  # one of each kind of state: mixed tuples, push weights, PRNG keys, all-reduce means
