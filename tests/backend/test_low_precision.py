@@ -95,3 +95,12 @@ def test_mixing_a_bfloat16_leaf_rounds_once(topology):
   assert got.dtype == jnp.bfloat16
   ulp = 2.0 ** (np.floor(np.log2(np.abs(exact))) - 7)  # bfloat16 keeps 8 significant bits
   assert np.max(np.abs(np.asarray(got, np.float64) - exact) / ulp) <= 0.5 + 1e-3
+
+
+@pytest.mark.parametrize("topology", [RING, ring_table()], ids=["ring", "table"])
+def test_mixing_leaves_integer_leaves_alone(topology):
+  """A step counter or an RNG count is not a quantity to average, on either path of the simulator."""
+  tree = {"w": params(jnp.bfloat16), "count": jnp.arange(N, dtype=jnp.int32) * 1000}
+  got = jax.jit(lambda t: gj.backend.simulate().mixer(topology).mix(t, jnp.asarray(3)))(tree)
+  assert got["count"].dtype == jnp.int32
+  np.testing.assert_array_equal(got["count"], tree["count"])
