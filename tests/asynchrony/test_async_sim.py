@@ -262,6 +262,7 @@ def test_faulty_mix_sums_bfloat16_in_float32_and_leaves_integer_leaves_alone():
   counts = jnp.arange(n, dtype=jnp.int32)
   tx = ga.faulty_mix(topo)
 
+  @jax.jit
   def mixed(u, count_update):
     params = {"w": jnp.zeros_like(u), "count": counts}
     got, _ = tx.update({"w": u, "count": count_update}, tx.init(params), params, up=up, delivered=delivered)
