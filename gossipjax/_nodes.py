@@ -292,6 +292,9 @@ def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> NodeTr
                       "per_node needs a state whose leaves are arrays") from e
 
   def update_fn(updates, state, params=None, **extra_args):
+    # gj.guard_finite's (n,) mask of skipped nodes is not for a transform that sees one node:
+    # the guard itself keeps a skipped node's update and state.
+    extra_args.pop("skip_nodes", None)
     one = lambda u, s, p: inner.update(u, s, p, **extra_args)
     return backend.map(one, in_axes=(0, 0, None if params is None else 0))(updates, state, params)
 
