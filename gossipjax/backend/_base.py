@@ -171,8 +171,8 @@ def use(backend: Backend) -> Iterator[Backend]:
     backend: a backend (``gj.backend.sharded(mesh)``, ``gj.backend.mpi()``, ... or your own
       class with ``mixer``, ``mean``, ``local_nodes`` and ``map``).
 
-  Yields:
-    ``backend``.
+  Returns:
+    A context manager; ``with gj.backend.use(b) as b:`` gives ``b`` back.
 
   Example:
     >>> import jax, gossipjax as gj
@@ -193,5 +193,17 @@ def use(backend: Backend) -> Iterator[Backend]:
 
 
 def current() -> Any:
-  """The backend of the innermost `use` block, or ``None`` outside one."""
+  """The backend of the innermost `use` block, or ``None`` outside one.
+
+  Returns:
+    The backend a transform built without ``backend=`` would take from a block, or ``None``.
+
+  Example:
+    >>> import gossipjax as gj
+    >>> gj.backend.current() is None
+    True
+    >>> with gj.backend.use(gj.backend.simulate()):
+    ...   gj.backend.current()
+    Simulate()
+  """
   return _CURRENT.get()

@@ -122,6 +122,16 @@ def reserve_cpu_threads() -> None:
 
   Called after JAX has started its CPU client, it changes nothing, and warns
   (``RuntimeWarning``) if that client has too few threads for its devices.
+
+  Example:
+    In a process whose JAX has computed already, the call changes nothing:
+
+    >>> import os, jax.numpy as jnp, gossipjax as gj
+    >>> _ = jnp.zeros(1)                      # JAX's CPU client has started
+    >>> before = os.environ.get("PJRT_NPROC")
+    >>> gj.backend.reserve_cpu_threads()
+    >>> os.environ.get("PJRT_NPROC") == before
+    True
   """
   if _cpu_client_started():
     check_collective_threads(jax.local_devices(), "gj.backend.reserve_cpu_threads (called after JAX started)")

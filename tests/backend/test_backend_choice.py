@@ -70,3 +70,10 @@ def test_sharded_params_in_a_transform_built_for_the_simulation_warn_with_the_fi
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     tx.update(np.ones((16, 3)), tx.init(np.ones((16, 3))), np.ones((16, 3)))  # host arrays: no warning
+
+
+def test_shard_places_typed_prng_keys_with_the_params(sharded):
+  keys = jax.random.split(jax.random.key(0), 16)
+  placed = sharded.shard({"w": np.ones((16, 2)), "rngs": keys})
+  assert placed["rngs"].sharding.is_equivalent_to(sharded.sharding, 1)
+  np.testing.assert_array_equal(jax.random.key_data(placed["rngs"]), jax.random.key_data(keys))
