@@ -224,7 +224,7 @@ class Sharded:
     def put(x):
       if isinstance(x, jax.Array) and x.sharding == self.sharding:
         return x
-      if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         if x.ndim == 0 or x.shape[0] % self.num_devices:
           raise ValueError(f"gj.backend.sharded: a key leaf of shape {x.shape} cannot be split over the "
                            f"{self.num_devices} devices of mesh axis {self.axis!r} (one key per node, a multiple)")
