@@ -37,7 +37,7 @@ demo: $(VENV)/.installed-train
 # Lint and types first (seconds), then the tests.
 test: install-mpi
 	$(BIN)/ruff check .
-	$(BIN)/basedpyright
+	$(BIN)/basedpyright --project pyproject.toml
 	$(BIN)/python -m pytest -q
 
 # The documentation site (docs/_build/html/index.html): every guide and notebook is executed,
