@@ -7,7 +7,7 @@ shift per offset) in O(n * degree), never an n x n array.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Callable, Literal, cast
 
 import numpy as np
 import scipy.sparse as sp
@@ -19,6 +19,7 @@ from gossipjax.topology._plan import (
     circulant_plan,
     make_rank_one,
     plan_from_edges,
+    sparse_shape,
 )
 from gossipjax.topology._topology import Topology, is_strongly_connected
 
@@ -91,7 +92,7 @@ def weights_from_adjacency(adj: Any, weights: Weights = "uniform") -> np.ndarray
   """
   if sp.issparse(adj):
     a = sp.coo_array(adj)
-    n = a.shape[0]
+    n = sparse_shape(a)[0]
     dst, src, w, self_w = _edge_weights(n, a.row[a.data != 0], a.col[a.data != 0], weights)
     nodes = np.arange(n)
     return sp.csr_array((np.concatenate([self_w, w]), (np.concatenate([nodes, dst]), np.concatenate([nodes, src]))),
@@ -113,6 +114,7 @@ def weights_from_adjacency(adj: Any, weights: Weights = "uniform") -> np.ndarray
     return w
   else:
     _check_weights(weights)
+    raise AssertionError(f"unreachable: {weights!r} passed _check_weights")
   w[np.arange(n), np.arange(n)] = 1.0 - w.sum(axis=1)
   return w
 
@@ -477,14 +479,16 @@ def from_adjacency(adj: Any, weights: Weights = "uniform", name: str | None = No
     return from_networkx(adj, weights=weights)
   if sp.issparse(adj):
     a = sp.coo_array(adj)
-    shape, dst, src = a.shape, a.row[a.data != 0], a.col[a.data != 0]
+    shape = sparse_shape(a)
   else:
     a = np.asarray(adj)
     shape = a.shape
-    if a.ndim == 2 and a.shape[0] == a.shape[1]:
-      dst, src = np.nonzero(a != 0)
   if len(shape) != 2 or shape[0] != shape[1]:
     raise ValueError(f"from_adjacency: adjacency must be square n x n, got shape {shape}")
+  if isinstance(a, np.ndarray):
+    dst, src = np.nonzero(a != 0)
+  else:
+    dst, src = a.row[a.data != 0], a.col[a.data != 0]
   return _from_edges(shape[0], dst, src, name or f"graph({shape[0]})", weights)
 
 
@@ -553,7 +557,9 @@ def from_networkx(graph: Any, weights: Weights = "uniform") -> Topology:
   nodes = sorted(graph.nodes)
   if not nodes:
     raise ValueError("gj.topology.from_networkx: the graph has no node; a topology needs at least one")
-  a = sp.coo_array(nx.to_scipy_sparse_array(graph, nodelist=nodes, weight=None))
+  # typeshed's networkx stub types weight as str; None (every edge weighs 1) is networkx's documented use.
+  to_scipy_sparse_array = cast(Callable[..., Any], nx.to_scipy_sparse_array)
+  a = sp.coo_array(to_scipy_sparse_array(graph, nodelist=nodes, weight=None))
   dst, src = (a.col, a.row) if graph.is_directed() else (a.row, a.col)
   return _from_edges(len(nodes), dst, src, f"networkx({len(nodes)})", weights)
 

@@ -11,7 +11,7 @@ all-reduce) and a per-node scale: O(n) memory and O(n * d) work per term.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 import scipy.sparse as sp
@@ -21,6 +21,11 @@ import scipy.sparse as sp
 MAX_DENSE_NODES = 8192
 # Past this many entries the rank-one terms of a plan are not listed (as many as the largest dense W holds).
 MAX_LISTED_ENTRIES = MAX_DENSE_NODES**2
+
+
+def sparse_shape(a: sp.coo_array | sp.csr_array) -> tuple[int, ...]:
+  """``a.shape``: scipy leaves it unannotated, and a type checker reads it as Optional (``None`` before ``__init__``)."""
+  return cast("tuple[int, ...]", a.shape)
 
 
 def check_dense_size(n: int, what: str, count: int = 1) -> None:
@@ -239,10 +244,10 @@ class MixingPlan:
       return self.sparse_part()
     n = self.num_nodes
     check_entry_count(self.rank_one_entry_count(), "MixingPlan.sparse")
-    parts = [self.sparse_part().tocoo()] + [t.entries() for t in self.rank_one]
-    rows = np.concatenate([parts[0].row] + [d for d, _, _ in parts[1:]])
-    cols = np.concatenate([parts[0].col] + [s for _, s, _ in parts[1:]])
-    vals = np.concatenate([parts[0].data] + [v for _, _, v in parts[1:]])
+    coo, entries = self.sparse_part().tocoo(), [t.entries() for t in self.rank_one]
+    rows = np.concatenate([coo.row] + [d for d, _, _ in entries])
+    cols = np.concatenate([coo.col] + [s for _, s, _ in entries])
+    vals = np.concatenate([coo.data] + [v for _, _, v in entries])
     return sp.csr_array((vals, (rows, cols)), shape=(n, n))
 
   def dense(self) -> np.ndarray:
@@ -381,7 +386,7 @@ def plan_from_matrix(w: np.ndarray | sp.sparray | sp.spmatrix, what: str = "topo
   if sp.issparse(w):
     m = sp.coo_array(w, dtype=np.float64)
     m.sum_duplicates()
-    n = m.shape[0]
+    n = sparse_shape(m)[0]
     off = m.row != m.col
     self_w = np.zeros(n)
     self_w[m.row[~off]] = m.data[~off]

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any, Callable, cast, overload
 
 import numpy as np
 import scipy.sparse as sp
 from scipy.sparse import linalg as sla
 
-from gossipjax.topology._plan import MixingPlan, reversed_plan
+from gossipjax.topology._plan import MixingPlan, reversed_plan, sparse_shape
 from gossipjax.topology._topology import Topology
 
 # Up to this many nodes rho is the exact dense 2-norm (an SVD, well under a second);
 # past it, an FFT for circulant W and a Lanczos eigensolver on the sparse form otherwise.
 EXACT_RHO_NODES = 1024
+
+# scipy ships no annotations and a type checker infers two wrong ones from its source: eigsh's ``tol`` as an int
+# (from its default 0) and ``LinearOperator(shape, matvec=...)`` as the abstract base's ``(dtype, shape)``, though
+# ``LinearOperator.__new__`` makes it a custom operator. The same functions, typed loosely:
+_arpack_eigsh = cast(Callable[..., Any], sla.eigsh)
+_linear_operator = cast(Callable[..., sla.LinearOperator], sla.LinearOperator)
 
 
 def rho(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
@@ -74,7 +81,7 @@ def rho(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
     return _operator_rho(plan.matvec, reversed_plan(plan).matvec, n, symmetric)
   if sp.issparse(topology):
     w = sp.csr_array(topology, dtype=np.float64)
-    if w.shape[0] <= EXACT_RHO_NODES:
+    if sparse_shape(w)[0] <= EXACT_RHO_NODES:
       return _dense_rho(w.toarray())
     return _sparse_rho(w, symmetric=abs(w - w.T).max() <= 1e-12)
   w = np.asarray(topology, np.float64)
@@ -87,7 +94,7 @@ def _sparse_rho(w: sp.csr_array, symmetric: bool) -> float:
   if symmetric:
     return _symmetric_rho(w)
   wt = w.T.tocsr()
-  return _operator_rho(lambda x: w @ x, lambda x: wt @ x, w.shape[0], symmetric=False)
+  return _operator_rho(lambda x: w @ x, lambda x: wt @ x, sparse_shape(w)[0], symmetric=False)
 
 
 def spectral_gap(topology: "Topology | np.ndarray | sp.sparray", step: int = 0) -> float:
@@ -170,8 +177,9 @@ def rho_per_period(topology: Topology) -> float:
   _warn_unless_doubly_stochastic(topology, "rho_per_period", range(topology.period))
   plans, n, p = topology.plans(), topology.num_nodes, topology.period
   kernels = [_translation_kernel(plan) for plan in plans]
-  if all(k is not None for k in kernels) and len({k.shape for k in kernels}) == 1:
-    lam = np.prod([np.fft.fft2(k) for k in kernels], axis=0)  # commuting normal matrices: eigenvalues multiply
+  circulant = [k for k in kernels if k is not None]
+  if len(circulant) == len(kernels) and len({k.shape for k in circulant}) == 1:
+    lam = np.prod([np.fft.fft2(k) for k in circulant], axis=0)  # commuting normal matrices: eigenvalues multiply
     lam[0, 0] -= 1.0
     return float(np.abs(lam).max()) ** (1.0 / p)
   if n <= EXACT_RHO_NODES:
@@ -282,7 +290,7 @@ def _symmetric_rho(w: sp.csr_array) -> float:
   ``min_i (2 W_ii - 1)``; only when that bound could beat the second eigenvalue is it
   computed too, by shift-invert at the bound.
   """
-  n = w.shape[0]
+  n = sparse_shape(w)[0]
   if np.abs(w.sum(axis=1) - 1.0).max() > 1e-9:  # not stochastic: 1 is not an eigenvector
     return _operator_rho(lambda x: w @ x, lambda x: w @ x, n, symmetric=True)
   # Plain Lanczos first, on a short leash: it is fast on expanders (random graphs, hypercubes),
@@ -292,14 +300,14 @@ def _symmetric_rho(w: sp.csr_array) -> float:
     return quick
   v0 = np.random.default_rng(0).standard_normal(n)  # a fixed start: the same W gives the same value
   ones = np.full(n, 1.0 / np.sqrt(n))
-  lam, vecs = sla.eigsh(w.tocsc(), k=2, sigma=1.0 + _SHIFT, which="LM", tol=1e-10, v0=v0, maxiter=_MAX_ITER)
+  lam, vecs = _arpack_eigsh(w.tocsc(), k=2, sigma=1.0 + _SHIFT, which="LM", tol=1e-10, v0=v0, maxiter=_MAX_ITER)
   consensus = int(np.argmax(np.abs(ones @ vecs)))  # W 1 = 1: drop the consensus direction's eigenvalue
   second = float(abs(lam[1 - consensus]))
   lowest_bound = float(np.min(2.0 * w.diagonal() - 1.0))
   if -lowest_bound <= second:
     return second
-  bottom = sla.eigsh(w.tocsc(), k=1, sigma=lowest_bound - _SHIFT, which="LM", tol=1e-10, v0=v0,
-                     maxiter=_MAX_ITER, return_eigenvectors=False)
+  bottom = _arpack_eigsh(w.tocsc(), k=1, sigma=lowest_bound - _SHIFT, which="LM", tol=1e-10, v0=v0,
+                        maxiter=_MAX_ITER, return_eigenvectors=False)
   return max(second, float(abs(bottom[0])))
 
 
@@ -310,6 +318,10 @@ _MAX_ITER = 300
 _NCV = 32
 
 
+@overload
+def _operator_rho(matvec, rmatvec, n: int, symmetric: bool, maxiter: None = None) -> float: ...
+@overload
+def _operator_rho(matvec, rmatvec, n: int, symmetric: bool, maxiter: int) -> float | None: ...
 def _operator_rho(matvec, rmatvec, n: int, symmetric: bool, maxiter: int | None = None) -> float | None:
   """``||W - 11^T/n||_2`` by Lanczos on an operator.
 
@@ -321,20 +333,24 @@ def _operator_rho(matvec, rmatvec, n: int, symmetric: bool, maxiter: int | None 
   at = lambda x: rmatvec(x) - x.mean(axis=0)
   v0 = np.random.default_rng(0).standard_normal(n)  # a fixed start: the same W gives the same value
   if symmetric:
-    op = sla.LinearOperator((n, n), matvec=a, matmat=a, dtype=np.float64)
+    op = _linear_operator((n, n), matvec=a, matmat=a, dtype=np.float64)
     lam = _eigsh(op, "LM", v0, maxiter)
     return None if lam is None else float(abs(lam))
   gram = lambda x: at(a(x))
-  op = sla.LinearOperator((n, n), matvec=gram, matmat=gram, dtype=np.float64)
+  op = _linear_operator((n, n), matvec=gram, matmat=gram, dtype=np.float64)
   lam = _eigsh(op, "LA", v0, maxiter)
   return None if lam is None else float(np.sqrt(max(lam, 0.0)))
 
 
+@overload
+def _eigsh(op: sla.LinearOperator, which: str, v0: np.ndarray, maxiter: None) -> float: ...
+@overload
+def _eigsh(op: sla.LinearOperator, which: str, v0: np.ndarray, maxiter: int) -> float | None: ...
 def _eigsh(op: sla.LinearOperator, which: str, v0: np.ndarray, maxiter: int | None) -> float | None:
   n = op.shape[0]
   try:
-    return float(sla.eigsh(op, k=1, which=which, tol=1e-10, v0=v0, ncv=min(_NCV, n - 1) if n > 2 else None,
-                           maxiter=maxiter or _MAX_ITER, return_eigenvectors=False)[0])
+    return float(_arpack_eigsh(op, k=1, which=which, tol=1e-10, v0=v0, ncv=min(_NCV, n - 1) if n > 2 else None,
+                               maxiter=maxiter or _MAX_ITER, return_eigenvectors=False)[0])
   except sla.ArpackNoConvergence as e:
     if maxiter is not None:
       return None

@@ -6,13 +6,13 @@ Convention: rows receive. ``x_new[i] = sum_j W[i, j] x[j]``.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Sequence, cast
 
 import numpy as np
 import scipy.sparse as sp
 from scipy.sparse import csgraph
 
-from gossipjax.topology._plan import MAX_LISTED_ENTRIES, MixingPlan, check_dense_size, plan_from_matrix
+from gossipjax.topology._plan import MAX_LISTED_ENTRIES, MixingPlan, check_dense_size, plan_from_matrix, sparse_shape
 
 Stochasticity = Literal["row", "column", "doubly", "none"]
 STOCHASTICITIES = ("row", "column", "doubly", "none")
@@ -284,7 +284,7 @@ def _to_plans(matrices: Any, name: str) -> tuple[MixingPlan, ...]:
       if len(m.shape) != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"{name}: a mixing matrix must be square n x n, got shape {m.shape}")
       coo = sp.coo_array(m, dtype=np.float64)
-      n = coo.shape[0]
+      n = sparse_shape(coo)[0]
       entries.append((coo.row, coo.col, coo.data))
     else:
       m = np.asarray(m, np.float64)
@@ -367,7 +367,7 @@ def _sum_message(sums: np.ndarray, kind: str, where: str, required: str, rule: s
 def _pattern_symmetric(plan: MixingPlan) -> bool:
   """True when every edge of the plan goes both ways (an undirected graph, whatever its weights)."""
   try:
-    pattern = (plan.sparse() != 0).astype(np.int8)
+    pattern = cast(sp.csr_array, plan.sparse() != 0).astype(np.int8)  # scipy's != reads as object.__ne__
   except ValueError:  # rank-one terms too large to list: only exact averaging is that dense
     return True
   return (pattern - pattern.T).count_nonzero() == 0
@@ -394,7 +394,7 @@ def is_strongly_connected(adj: Any) -> bool:
     True
   """
   a = sp.csr_array(adj if sp.issparse(adj) else np.asarray(adj) != 0)
-  if a.shape[0] <= 1:
+  if sparse_shape(a)[0] <= 1:
     return True
   a.eliminate_zeros()
   count, _ = csgraph.connected_components(a, directed=True, connection="strong")
