@@ -7,13 +7,13 @@ import dataclasses
 import os
 import shutil
 import sys
-from typing import Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 
 class _Parser(argparse.ArgumentParser):
   """Bad input ends with one line naming the option and what it allows, and exit status 2 (no usage dump)."""
 
-  def error(self, message: str):
+  def error(self, message: str) -> NoReturn:
     self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -196,7 +196,7 @@ def _start_job(args: argparse.Namespace, folder) -> None:
   folder.write_options(_resume_options(args))
 
 
-def _on_main(placement, comm, fn):
+def _on_main(placement, comm, fn: Callable[[], Any]) -> Any:
   """``fn()`` on the main process; its result, or its UsageError / JobError, on every process.
 
   The other processes raise the same error quietly: the main process says it once.
@@ -259,16 +259,17 @@ def train(args: argparse.Namespace) -> dict:
   from gossipjax.train._placement import Placement
 
   _check_args(args)
+  parser: argparse.ArgumentParser = args.parser
   backend = _make_backend(args)
   try:
     placement = Placement(backend, args.nodes)
   except ValueError as e:
-    args.parser.error(f"argument --nodes: {e}")
+    parser.error(f"argument --nodes: {e}")
   comm = backend.comm if isinstance(backend, Mpi) else None
   dataset = load_digits(seed=args.seed)
   if args.nodes > len(dataset.y_train):
-    args.parser.error(f"argument --nodes: {args.nodes} nodes, but the digits' training set has "
-                      f"{len(dataset.y_train)} samples; every node needs one (use at most {len(dataset.y_train)})")
+    parser.error(f"argument --nodes: {args.nodes} nodes, but the digits' training set has "
+                 f"{len(dataset.y_train)} samples; every node needs one (use at most {len(dataset.y_train)})")
   fresh = args.out is None
   if fresh:
     args.out = _on_main(placement, comm, lambda: fresh_folder(DEFAULT_ROOT))
@@ -294,6 +295,7 @@ def _build_runs(args: argparse.Namespace, backend):
   from gossipjax.train import ALGORITHMS, RunConfig, make_algorithm, make_topology
   from gossipjax.train._registry import MOMENTUM, NEEDS_NO_TOPOLOGY, OWN_TOPOLOGY, AlgorithmOptions
 
+  parser: argparse.ArgumentParser = args.parser
   runs = []
   for alg in args.algorithms:
     topologies = [None] if alg in NEEDS_NO_TOPOLOGY else args.topologies
@@ -310,7 +312,7 @@ def _build_runs(args: argparse.Namespace, backend):
     try:
       topo = make_topology(c.topology, c.num_nodes) if c.topology else None
     except ValueError as e:
-      args.parser.error(f"argument --topologies: {c.topology} on --nodes {c.num_nodes}: {e}")
+      parser.error(f"argument --topologies: {c.topology} on --nodes {c.num_nodes}: {e}")
     try:
       txs.append(make_algorithm(c.algorithm, topo, c.learning_rate, c.beta, backend, options))
     except ValueError as e:

@@ -36,9 +36,13 @@ HISTORY = "history.json"
 class UsageError(Exception):
   """A choice of options the job cannot run with (exit status 2); the message names the option."""
 
+  quiet: bool = False  # raised on every MPI rank, said once: True on the others
+
 
 class JobError(Exception):
   """A failure while the job runs (exit status 1), such as a full disk or an unusable checkpoint."""
+
+  quiet: bool = False  # raised on every MPI rank, said once: True on the others
 
 
 def fresh_folder(root: str) -> str:
@@ -232,7 +236,10 @@ class RunCheckpoints:
         raise JobError(f"{self.name}: cannot resume from step {step}{where}: {message}")
       bad = [(rank, p) for rank, (p, _) in enumerate(problems) if p]
       if not bad:
-        break
+        assert tree is not None  # no problem on any rank: this one restored the step
+        placed = self.placement.like({"params": tree["params"], "opt_state": tree["opt_state"]},
+                                     {"params": fresh.params, "opt_state": fresh.opt_state})
+        return TrainState(int(tree["step"]), placed["params"], placed["opt_state"]), rows
       older = checkpoint.latest_step(self.directory, self.comm, before=step)
       rank, message = bad[0]
       where = f" on rank {rank}" if self.comm is not None else ""
@@ -241,11 +248,7 @@ class RunCheckpoints:
         then = f"resuming from step {older}" if older is not None else "no older step"
         warn(f"{self.name}: skipping step {step}, which does not restore intact{where} ({message}); {then}")
       step = older
-    if step is None:
-      if skipped:
-        raise JobError(f"{self.name}: no checkpoint in {self.directory} restores intact (steps "
-                       f"{', '.join(skipped)}); start again with --overwrite")
-      return None, []
-    placed = self.placement.like({"params": tree["params"], "opt_state": tree["opt_state"]},
-                                 {"params": fresh.params, "opt_state": fresh.opt_state})
-    return TrainState(int(tree["step"]), placed["params"], placed["opt_state"]), rows
+    if skipped:
+      raise JobError(f"{self.name}: no checkpoint in {self.directory} restores intact (steps "
+                     f"{', '.join(skipped)}); start again with --overwrite")
+    return None, []

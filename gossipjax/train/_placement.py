@@ -42,6 +42,10 @@ class Placement:
   # What a backend offers beyond the protocol says how the job places nodes: a ``comm`` and
   # ``node_slice`` (each process holds a block, as under MPI), or ``shard`` (global arrays
   # placed on a mesh); a backend with neither holds every node in this process.
+  def _offered(self, name: str) -> Any:
+    """The backend's ``name`` (``comm``, ``node_slice``, ``shard``, ...), which the protocol does not declare."""
+    return getattr(self.backend, name)
+
   @property
   def _ranks(self) -> bool:
     return hasattr(self.backend, "comm") and hasattr(self.backend, "node_slice")
@@ -53,7 +57,7 @@ class Placement:
   @property
   def num_devices(self) -> int:
     if self._ranks:
-      return int(self.backend.comm.Get_size())
+      return int(self._offered("comm").Get_size())
     return int(getattr(self.backend, "num_devices", 1))
 
   @property
@@ -63,16 +67,16 @@ class Placement:
   @property
   def is_main(self) -> bool:
     """The process that writes files, prints and shows progress (MPI rank 0; otherwise the only one)."""
-    return not self._ranks or int(self.backend.comm.Get_rank()) == 0
+    return not self._ranks or int(self._offered("comm").Get_rank()) == 0
 
   @property
   def first_node(self) -> int:
-    return self.backend.node_slice(self.num_nodes).start if self._ranks else 0
+    return self._offered("node_slice")(self.num_nodes).start if self._ranks else 0
 
   def local(self, tree: Any) -> Any:
     """This process's share of a tree whose every leaf has the global node axis first (traceable)."""
     if self._ranks:
-      rows = self.backend.node_slice(self.num_nodes)
+      rows = self._offered("node_slice")(self.num_nodes)
       return jax.tree.map(lambda x: x[rows], tree)
     return tree
 
@@ -81,15 +85,15 @@ class Placement:
     devices (`gj.backend.hierarchical`), each node's samples split over its devices."""
     tree = self.local(tree)
     if self._placed and getattr(self.backend, "data_axis", None) is not None:
-      sharding = jax.sharding.NamedSharding(self.backend.mesh, jax.sharding.PartitionSpec(
-          self.backend.axis, self.backend.data_axis))
+      sharding = jax.sharding.NamedSharding(self._offered("mesh"), jax.sharding.PartitionSpec(
+          self._offered("axis"), self._offered("data_axis")))
       return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
     return tree
 
   def place(self, tree: Any) -> Any:
     """Global node-stacked host values -> this process's arrays, on its devices."""
     if self._placed:
-      return self.backend.shard(tree)
+      return self._offered("shard")(tree)
     return jax.tree.map(jnp.asarray, self.local(tree))
 
   def like(self, tree: Any, fresh: Any) -> Any:
@@ -99,14 +103,14 @@ class Placement:
   def gather(self, tree: Any) -> Any:
     """Every node's values, in node order, on every process (MPI: an all-gather of the blocks)."""
     if self._ranks:
-      blocks = self.backend.comm.allgather(jax.tree.map(np.asarray, tree))
+      blocks = self._offered("comm").allgather(jax.tree.map(np.asarray, tree))
       return jax.tree.map(lambda *b: jnp.asarray(np.concatenate(b)), *blocks)
     return tree
 
   def total(self, value: int) -> int:
     """A per-process count summed over processes."""
     if self._ranks:
-      return int(self.backend.comm.allreduce(int(value)))
+      return int(self._offered("comm").allreduce(int(value)))
     return int(value)
 
   def check_together(self, check: Any, *args: Any) -> None:
@@ -117,7 +121,7 @@ class Placement:
     except FloatingPointError as e:
       error = str(e)
     if self._ranks:
-      errors = [e for e in self.backend.comm.allgather(error) if e is not None]
+      errors = [e for e in self._offered("comm").allgather(error) if e is not None]
       error = errors[0] if errors else None
     if error is not None:
       raise FloatingPointError(error)
