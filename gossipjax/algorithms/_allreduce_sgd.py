@@ -22,7 +22,7 @@ def all_reduce(backend: Backend | None = None) -> optax.GradientTransformationEx
     del params, extra_args
     return backend.mean(updates), state
 
-  return float_leaves_only(optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update_fn),
+  return float_leaves_only(optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn),
                            keep_other_updates=True)
 
 

@@ -15,6 +15,7 @@ from gossipjax._validation import check_in_range, check_learning_rate
 from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.compress._base import leaf_keys
 from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
+from gossipjax.mixing._contract import next_count
 
 from gossipjax.compress import Compressor
 
@@ -48,7 +49,7 @@ def _raw_key(key: Any, name: str) -> jax.Array:
   if isinstance(key, (jax.Array, np.ndarray)) and key.shape == () and jnp.issubdtype(key.dtype, jnp.integer):
     raise TypeError(f"{name}: the seed arrived as an array ({key!r}); under optax.inject_hyperparams pass "
                     "static_args=('key', 'seed'): receivers rebuild the senders' keys from it, so it must be fixed")
-  if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
     return jax.random.key_data(key)
   if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.ndim == 1:
     return jnp.asarray(key)
@@ -183,7 +184,8 @@ def choco_sgd(
     )
     return state._replace(**follow_placement({"key": state.key, "message_bits": state.message_bits}, params))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
+    grads = updates  # optax's name for the incoming tree; these methods take gradients
     del extra_args
     lr = start_step("gj.choco_sgd", mixer, params, learning_rate, state.count)
     half = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
@@ -207,7 +209,7 @@ def choco_sgd(
     updates = jax.tree.map(lambda h, s, p, x: (h + eta * (s - p)).astype(x.dtype) - x,
                            half, neighbour_sum, public, params)
     return updates, ChocoState(
-        count=optax.safe_increment(state.count),
+        count=next_count(state.count),
         public=public,
         neighbour_sum=neighbour_sum,
         key=state.key,

@@ -12,6 +12,7 @@ import optax
 from gossipjax._validation import (check_learning_rate, check_node_axis, require_params, require_static,
                                    require_symmetric)
 from gossipjax.mixing import Backend, Mixer, float_leaves_only, make_mixer
+from gossipjax.mixing._contract import next_count
 
 
 def learning_rate_at(learning_rate: optax.ScalarOrSchedule, count: jax.Array) -> Any:
@@ -108,10 +109,11 @@ def primal_dual_method(name: str, method: str, topology: Any, backend: Backend |
   def init_fn(params):
     return state_class(jnp.zeros([], jnp.int32), copy_of(params, state_dtype))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
+    grads = updates  # optax's name for the incoming tree; these methods take gradients
     del extra_args
     lr = start_step(name, mixer, params, learning_rate, state.count)
     updates, carried = step(lambda tree: mixer.mix(tree, state.count), params, grads, state[1], lr)
-    return updates, state_class(optax.safe_increment(state.count), carried)
+    return updates, state_class(next_count(state.count), carried)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

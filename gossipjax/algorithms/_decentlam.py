@@ -13,6 +13,7 @@ from jax.typing import DTypeLike
 from gossipjax._validation import check_learning_rate, check_momentum
 from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+from gossipjax.mixing._contract import next_count
 
 
 
@@ -116,7 +117,8 @@ def decentlam(
   def init_fn(params):
     return DecentLaMState(count=jnp.zeros([], jnp.int32), momentum=optax.tree.zeros_like(params, state_dtype))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
+    grads = updates  # optax's name for the incoming tree; these methods take gradients
     del extra_args
     lr = start_step("gj.decentlam", mixer, params, learning_rate, state.count)
     half = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
@@ -129,6 +131,6 @@ def decentlam(
 
     mom = jax.tree.map(momentum, state.momentum, params, mixed)
     updates = jax.tree.map(lambda m, x: (-lr * m).astype(x.dtype), mom, params)
-    return updates, DecentLaMState(count=optax.safe_increment(state.count), momentum=mom)
+    return updates, DecentLaMState(count=next_count(state.count), momentum=mom)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -13,6 +13,7 @@ from jax.typing import DTypeLike
 from gossipjax._validation import check_in_range, check_learning_rate, check_period, require_node_axis, require_params
 from gossipjax.algorithms._common import check_state_dtype, copy_of, in_state_dtype, is_abstract, learning_rate_at
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
+from gossipjax.mixing._contract import next_count
 
 
 
@@ -98,7 +99,7 @@ def easgd(
   check_learning_rate(learning_rate, "gj.easgd")
   check_in_range(alpha, "gj.easgd", "alpha", 0.0, 1.0)
   check_in_range(center_rate, "gj.easgd", "center_rate", 0.0, 1.0)
-  every = check_period(every, "gj.easgd")
+  period = check_period(every, "gj.easgd")
   state_dtype = check_state_dtype(state_dtype, "gj.easgd")
   backend = resolve_backend(backend)
   wide = lambda params: jax.tree.map(lambda x: in_state_dtype(x, state_dtype), params)
@@ -109,7 +110,8 @@ def easgd(
       return EASGDState(count=jnp.zeros([], jnp.int32), center=copy_of(params, state_dtype))
     return EASGDState(count=jnp.zeros([], jnp.int32), center=backend.mean(wide(params)))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
+    grads = updates  # optax's name for the incoming tree; these methods take gradients
     del extra_args
     require_params(params, "gj.easgd")
     require_node_axis(params, "gj.easgd")
@@ -122,7 +124,7 @@ def easgd(
       center = jax.tree.map(lambda c, m: (c + center_rate * (m - c)).astype(c.dtype), state.center, mean)
       return updates, center
 
-    updates, center = lax.cond(state.count % every == 0, elastic, lambda sgd: (sgd, state.center), sgd)
-    return updates, EASGDState(count=optax.safe_increment(state.count), center=center)
+    updates, center = lax.cond(state.count % period == 0, elastic, lambda sgd: (sgd, state.center), sgd)
+    return updates, EASGDState(count=next_count(state.count), center=center)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -12,6 +12,7 @@ from jax.typing import DTypeLike
 from gossipjax._validation import check_learning_rate
 from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+from gossipjax.mixing._contract import next_count
 
 
 
@@ -81,13 +82,14 @@ def gradient_tracking(
   def init_fn(params):
     return GradientTrackingState(count=jnp.zeros([], jnp.int32), correction=optax.tree.zeros_like(params, state_dtype))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
+    grads = updates  # optax's name for the incoming tree; these methods take gradients
     del extra_args
     lr = start_step("gj.gradient_tracking", mixer, params, learning_rate, state.count)
     tracker = jax.tree.map(lambda c, g: c + g.astype(c.dtype), state.correction, grads)
     mixed_x, mixed_y = mixer.mix((params, tracker), state.count)
     updates = jax.tree.map(lambda wx, x, y: (wx - lr * y).astype(x.dtype) - x, mixed_x, params, tracker)
     correction = jax.tree.map(lambda wy, g: wy - g.astype(wy.dtype), mixed_y, grads)
-    return updates, GradientTrackingState(count=optax.safe_increment(state.count), correction=correction)
+    return updates, GradientTrackingState(count=next_count(state.count), correction=correction)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -17,6 +18,7 @@ from gossipjax._validation import check_in_range, check_node_axis, check_period,
 from gossipjax.algorithms._common import check_state_dtype, copy_of
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
 from gossipjax.topology import as_topology
+from gossipjax.mixing._contract import next_count
 
 
 class OuterState(NamedTuple):
@@ -150,7 +152,7 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
   """`outer_optimizer`, with ``name`` (the public function called) in its error messages."""
   _check_transform(inner, name, "inner", "optax.adamw(4e-4)")
   _check_transform(outer, name, "outer", "optax.sgd(0.7, momentum=0.9, nesterov=True)")
-  inner_steps = check_period(inner_steps, name, "inner_steps")
+  period = check_period(inner_steps, name, "inner_steps")
   state_dtype = check_state_dtype(state_dtype, name)
   backend = resolve_backend(backend)
   mixer = None if topology is None else make_mixer(topology, backend)
@@ -177,7 +179,8 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
       return backend.mean(theta)
     return mixer.mix(theta, outer_round)
 
-  def update_fn(grads, state, params=None, skip_nodes: SkipNodes | None = None, **extra_args):
+  def update_fn(updates, state, params=None, skip_nodes: SkipNodes | None = None, **extra_args):
+    grads = updates  # optax's name for the incoming tree; these methods take gradients
     require_params(params, name)
     if mixer is not None:
       check_node_axis(params, mixer.local_nodes, name, mixer.topology.name)
@@ -191,17 +194,17 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
       # Measured from where the round started, phi in the params' dtype: phi's extra digits
       # (state_dtype) are not fed back as a pseudo-gradient.
       start = jax.tree.map(lambda phi, x: phi.astype(x.dtype).astype(phi.dtype), anchor, params)
-      pseudo_grads = jax.tree.map(lambda phi, c: phi - c, start, combined(theta, state.count // inner_steps))
+      pseudo_grads = jax.tree.map(lambda phi, c: phi - c, start, combined(theta, state.count // period))
       steps, outer_state = outer_pn.update(pseudo_grads, outer_state, anchor)
       anchor = jax.tree.map(lambda phi, s: (phi + s).astype(phi.dtype), anchor, steps)
       updates = jax.tree.map(lambda phi, x: phi.astype(x.dtype) - x, anchor, params)
       return updates, anchor, outer_state
 
     updates, anchor, outer_state = lax.cond(
-        state.count % inner_steps == inner_steps - 1, outer_step, lambda operands: operands,
+        state.count % period == period - 1, outer_step, lambda operands: operands,
         (inner_updates, state.anchor, state.outer_state))
     updates = zero_skipped(updates, skip_nodes)
-    return updates, OuterState(count=optax.safe_increment(state.count), anchor=anchor,
+    return updates, OuterState(count=next_count(state.count), anchor=anchor,
                                inner_state=inner_state, outer_state=outer_state)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -11,6 +11,7 @@ from jax import lax
 
 from gossipjax._validation import check_period, require_node_axis, require_params
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
+from gossipjax.mixing._contract import next_count
 
 
 
@@ -65,7 +66,7 @@ def periodic_average(every: int, *, backend: Backend | None = None) -> optax.Gra
     Chen, Yuan, Zhang, Pan, Xu, Yin (2021), Accelerating Gossip SGD with Periodic Global
     Averaging, ICML.
   """
-  every = check_period(every, "gj.periodic_average")
+  period = check_period(every, "gj.periodic_average")
   backend = resolve_backend(backend)
 
   def init_fn(params):
@@ -82,7 +83,7 @@ def periodic_average(every: int, *, backend: Backend | None = None) -> optax.Gra
       new = backend.mean(jax.tree.map(lambda x, u: x + u, params, updates))
       return jax.tree.map(lambda m, x: (m - x).astype(x.dtype), new, params)
 
-    new_updates = lax.cond(state.count % every == every - 1, average, lambda u: u, updates)
-    return new_updates, PeriodicAverageState(count=optax.safe_increment(state.count))
+    new_updates = lax.cond(state.count % period == period - 1, average, lambda u: u, updates)
+    return new_updates, PeriodicAverageState(count=next_count(state.count))
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn), keep_other_updates=True)

@@ -12,6 +12,7 @@ from jax.typing import DTypeLike
 from gossipjax._validation import check_in_range, check_learning_rate, check_momentum
 from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
+from gossipjax.mixing._contract import next_count
 
 
 
@@ -96,7 +97,8 @@ def qg_dmsgd(
   def init_fn(params):
     return QGMomentumState(count=jnp.zeros([], jnp.int32), momentum=optax.tree.zeros_like(params, state_dtype))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
+    grads = updates  # optax's name for the incoming tree; these methods take gradients
     del extra_args
     lr = start_step("gj.qg_dmsgd", mixer, params, learning_rate, state.count)
     half = jax.tree.map(lambda x, g, m: x - (lr * (g + beta * m)).astype(x.dtype), params, grads, state.momentum)
@@ -108,7 +110,7 @@ def qg_dmsgd(
       displacement = jnp.where(lr == 0, m, (x.astype(m.dtype) - w.astype(m.dtype)) / safe_lr.astype(m.dtype))
       return (mu * m + (1 - mu) * displacement).astype(m.dtype)
 
-    return updates, QGMomentumState(count=optax.safe_increment(state.count),
+    return updates, QGMomentumState(count=next_count(state.count),
                                     momentum=jax.tree.map(momentum, state.momentum, mixed, params))
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

@@ -12,6 +12,7 @@ from jax.typing import DTypeLike
 from gossipjax._validation import check_learning_rate, check_momentum
 from gossipjax.algorithms._common import check_state_dtype, in_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, make_mixer
+from gossipjax.mixing._contract import next_count
 
 
 
@@ -106,7 +107,8 @@ def sgp(
         momentum=optax.tree.zeros_like(params, state_dtype),
     )
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
+    grads = updates  # optax's name for the incoming tree; these methods take gradients
     del extra_args
     lr = start_step("gj.sgp", mixer, params, learning_rate, state.count)
     per_node = lambda w, x: w.astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
@@ -115,6 +117,6 @@ def sgp(
     z_half = jax.tree.map(lambda x, u: per_node(state.push_weight, x) * x - (lr * u).astype(x.dtype), wide, momentum)
     z, w = mixer.mix((z_half, state.push_weight), state.count)
     updates = jax.tree.map(lambda zi, x: (zi / per_node(w, zi)).astype(x.dtype) - x, z, params)
-    return updates, SGPState(count=optax.safe_increment(state.count), push_weight=w, momentum=momentum)
+    return updates, SGPState(count=next_count(state.count), push_weight=w, momentum=momentum)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

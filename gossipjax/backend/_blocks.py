@@ -313,6 +313,13 @@ def _weight(w: np.ndarray | jax.Array, like: jax.Array) -> Any:
   return w.astype(like.dtype).reshape((-1,) + (1,) * (like.ndim - 1))
 
 
+def _received(x: jax.Array | None) -> jax.Array:
+  """Rows the plan says this device received (``None`` stands for an exchange that sent it none)."""
+  if x is None:
+    raise AssertionError("gj.backend: a mixing plan read rows from an exchange that sent this device none")
+  return x
+
+
 def _take(x: jax.Array, idx: np.ndarray | jax.Array) -> jax.Array:
   if isinstance(idx, np.ndarray):
     if idx.size and idx[-1] - idx[0] == idx.size - 1 and np.array_equal(idx, np.arange(idx[0], idx[0] + idx.size)):
@@ -329,10 +336,11 @@ def _assemble(bufs: Sequence[jax.Array | None], r: BlockRound, device: Any) -> j
   else:
     slices = None
   if slices is not None:
-    pieces = [_take(bufs[buf], np.arange(start, start + length)) for buf, start, length in slices]
+    pieces = [_take(_received(bufs[buf]), np.arange(start, start + length)) for buf, start, length in slices]
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)
   buffer, row = _row(r.buffer, device), _row(r.row, device)
-  present = [b if b is not None else jnp.zeros((0,) + bufs[0].shape[1:], bufs[0].dtype) for b in bufs]
+  own = _received(bufs[0])
+  present = [b if b is not None else jnp.zeros((0,) + own.shape[1:], own.dtype) for b in bufs]
   starts = np.cumsum([0] + [b.shape[0] for b in present[:-1]])
   flat = (starts[buffer] if isinstance(buffer, np.ndarray) else jnp.asarray(starts)[buffer]) + row
   return jnp.take(jnp.concatenate(present, axis=0), jnp.asarray(flat), axis=0)
@@ -457,7 +465,7 @@ def _compact_travel(wire: Wire, leaves: Sequence[jax.Array], groups: Sequence[Se
       return [None] * len(groups)
     rows: list[Any] = [None] * len(flat)
     for idx, g in zip(wire_groups, got):
-      for j, part in zip(idx, _unpack(g, [flat[j] for j in idx])):
+      for j, part in zip(idx, _unpack(_received(g), [flat[j] for j in idx])):
         rows[j] = part
     senders = jnp.asarray(nodes(), jnp.int32)
     dense = [wire.decode(i, tuple(r for r, o in zip(rows, owner) if o == i), senders, wire.context)
@@ -574,7 +582,7 @@ def apply_step_table(table: StepTable, packed: Sequence[jax.Array], step: jax.Ar
   for b, x in enumerate(packed):
     # Rows travel in the leaf's dtype; 16-bit floats are summed in float32 and rounded once.
     acc = x.astype(accumulation_dtype(x.dtype))
-    bufs = jnp.concatenate([x] + [got[b] for got in dense], axis=0).astype(acc.dtype)
+    bufs = jnp.concatenate([x] + [_received(got[b]) for got in dense], axis=0).astype(acc.dtype)
     y = _weight(self_weight, acc) * acc
     for r in range(table.rows.shape[1]):
       y = y + _weight(weight[r], acc) * jnp.take(bufs, rows[r], axis=0)

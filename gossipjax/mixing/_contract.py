@@ -20,6 +20,11 @@ from gossipjax.topology import as_topology
 from gossipjax.topology._topology import Stochasticity
 
 
+def next_count(count: jax.Array) -> jax.Array:
+  """``count + 1`` for a transform's step counter, held at the dtype's maximum as optax holds it."""
+  return jnp.asarray(optax.safe_increment(count))
+
+
 def resolve_backend(backend: Backend | None) -> Backend:
   """The backend a transform runs on: the one given, else the innermost ``gj.backend.use`` block's, else simulate.
 

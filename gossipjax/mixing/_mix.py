@@ -11,9 +11,8 @@ from jax import lax
 
 from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._validation import check_node_axis, check_period, require_params
-from gossipjax.mixing._contract import float_leaves_only, make_mixer
+from gossipjax.mixing._contract import float_leaves_only, make_mixer, next_count
 from gossipjax.backend._base import Backend
-
 
 
 class MixState(NamedTuple):
@@ -76,7 +75,7 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
     Xiao, Boyd (2004), Fast Linear Iterations for Distributed Averaging, Systems & Control
     Letters 53(1).
   """
-  every = check_period(every, "gj.mix")
+  period = check_period(every, "gj.mix")
   mixer = make_mixer(topology, backend)
 
   def init_fn(params):
@@ -91,14 +90,14 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
     x_half = jax.tree.map(lambda x, u: x + u, params, updates)
 
     def gossip(x_half):
-      mixed = mixer.mix(x_half, state.count // every)
+      mixed = mixer.mix(x_half, state.count // period)
       return jax.tree.map(lambda m, x: m.astype(x.dtype) - x, mixed, params)
 
-    if isinstance(every, int) and every == 1:
+    if isinstance(period, int) and period == 1:
       new_updates = gossip(x_half)
     else:
       local = jax.tree.map(lambda u, x: u.astype(x.dtype), updates, params)  # both branches: params' dtypes
-      new_updates = lax.cond(state.count % every == every - 1, gossip, lambda _: local, x_half)
-    return new_updates, MixState(count=optax.safe_increment(state.count))
+      new_updates = lax.cond(state.count % period == period - 1, gossip, lambda _: local, x_half)
+    return new_updates, MixState(count=next_count(state.count))
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn), keep_other_updates=True)
