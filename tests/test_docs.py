@@ -50,31 +50,12 @@ def test_docs_build_without_warnings(tmp_path):
 def test_the_adaptive_recipes_of_the_algorithms_guide_compute_what_it_states():
   """Adam before gradient tracking is as biased as decentralized Adam; tracking then Adam is exact; CHOCO with
   AdamW and the identity compressor is decentralized AdamW (the guide's section, on a smaller run)."""
-  from typing import Any, NamedTuple
-
   import jax
   import jax.numpy as jnp
   import numpy as np
   import optax
 
   import gossipjax as gj
-
-  class TrackerState(NamedTuple):
-    count: jax.Array
-    correction: Any
-
-  def gradient_tracker(topology):
-    mixer = gj.mixing.make_mixer(topology)
-
-    def init(params):
-      return TrackerState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params))
-
-    def update(grads, state, params=None):
-      tracker = jax.tree.map(jnp.add, state.correction, grads)
-      correction = jax.tree.map(jnp.subtract, mixer.mix(tracker, state.count), grads)
-      return tracker, TrackerState(optax.safe_increment(state.count), correction)
-
-    return gj.mixing.float_leaves_only(optax.GradientTransformation(init, update), keep_other_updates=True)
 
   n, m, d, lr, steps = 8, 30, 4, 0.02, 1500
   rng = np.random.default_rng(0)
@@ -93,7 +74,7 @@ def test_the_adaptive_recipes_of_the_algorithms_guide_compute_what_it_states():
     return np.asarray(jax.jit(lambda x: jax.lax.scan(body, (x, tx.init(x)), None, length=steps)[0][0])(x))
 
   error = lambda x: float(np.mean(np.sum((x - x_star) ** 2, axis=1)))
-  tracked_then_adam = final(gj.chain(gradient_tracker(w), optax.adam(lr), gj.mix(w)))
+  tracked_then_adam = final(gj.chain(gj.gradient_tracker(w), optax.adam(lr), gj.mix(w)))
   adam_then_tracked = final(gj.chain(optax.scale_by_adam(), gj.gradient_tracking(w, learning_rate=lr)))
   decentralized_adam = final(gj.chain(optax.adam(lr), gj.mix(w)))
   assert error(tracked_then_adam) < 1e-10

@@ -24,7 +24,7 @@ SUBPACKAGES = ("topology", "backend", "compress", "data", "checkpoint", "asynchr
 # Names that implement a method from a paper: their docstring cites it.
 FROM_PAPERS = {
     "gossipjax.algorithms": {"allreduce_sgd", "choco_sgd", "decentlam", "easgd", "exact_diffusion", "extra",
-                             "gossip_sgd", "gradient_tracking", "periodic_average", "qg_dmsgd", "sgp"},
+                             "gossip_sgd", "gradient_tracker", "gradient_tracking", "periodic_average", "qg_dmsgd", "sgp"},
     "gossipjax.topology": {"exponential", "one_peer_exponential", "directed_exponential",
                            "one_peer_directed_exponential"},
     "gossipjax.asynchrony": {"adpsgd", "mpi_adpsgd", "sgp_bounded_staleness"},

@@ -166,6 +166,32 @@ def test_errors_start_with_the_public_name(make, match):
     make()
 
 
+def _directed_graph():
+  adjacency = np.zeros((6, 6), bool)
+  adjacency[np.arange(6), (np.arange(6) + 1) % 6] = True  # a directed ring with two chords
+  adjacency[0, 3] = adjacency[2, 5] = True
+  return T.from_adjacency(adjacency)
+
+
+@pytest.mark.parametrize("name, make", [
+    ("mix", lambda W: gj.mix(W)),
+    ("gossip_sgd", lambda W: gj.gossip_sgd(W, learning_rate=0.1)),
+    ("decentlam", lambda W: gj.decentlam(W, learning_rate=0.1)),
+    ("qg_dmsgd", lambda W: gj.qg_dmsgd(W, learning_rate=0.1)),
+    ("gradient_tracking", lambda W: gj.gradient_tracking(W, learning_rate=0.1)),
+    ("gradient_tracker", lambda W: gj.gradient_tracker(W)),
+    ("exact_diffusion", lambda W: gj.exact_diffusion(W, learning_rate=0.1)),
+    ("choco_sgd", lambda W: gj.choco_sgd(W, gj.compress.sign(), learning_rate=0.1, consensus_step=0.5)),
+    ("outer_optimizer", lambda W: gj.outer_optimizer(optax.sgd(0.1), optax.sgd(1.0), inner_steps=2, topology=W)),
+    ("sgp", lambda W: gj.sgp(W, learning_rate=0.1)),
+])
+def test_a_refused_topology_is_named_by_the_transform(name, make):
+  """The topology's own check says what is wrong; the transform built on it says who asked."""
+  kind = "column" if name == "sgp" else "doubly"
+  with pytest.raises(ValueError, match=rf"^gj\.{name}: graph\(6\): W must be {kind} stochastic but column 5"):
+    make(_directed_graph())
+
+
 @pytest.mark.parametrize("make", [gj.exact_diffusion, gj.extra], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("topology", [T.exponential(8), T.one_peer_directed_exponential(8).matrices[0]],
                          ids=["exponential", "directed_matrix"])

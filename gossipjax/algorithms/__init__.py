@@ -12,7 +12,7 @@ from gossipjax.algorithms._easgd import EASGDState, easgd
 from gossipjax.algorithms._exact_diffusion import ExactDiffusionState, exact_diffusion
 from gossipjax.algorithms._extra import ExtraState, extra
 from gossipjax.algorithms._gossip_sgd import gossip_sgd
-from gossipjax.algorithms._gradient_tracking import GradientTrackingState, gradient_tracking
+from gossipjax.algorithms._gradient_tracking import GradientTrackingState, gradient_tracker, gradient_tracking
 from gossipjax.algorithms._outer import OuterState, diloco, noloco, outer_optimizer
 from gossipjax.algorithms._periodic_average import PeriodicAverageState, periodic_average
 from gossipjax.algorithms._qg_dmsgd import QGMomentumState, qg_dmsgd
@@ -37,6 +37,7 @@ __all__ = (
     "exact_diffusion",
     "extra",
     "gossip_sgd",
+    "gradient_tracker",
     "gradient_tracking",
     "noloco",
     "outer_optimizer",

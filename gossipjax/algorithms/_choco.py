@@ -161,7 +161,7 @@ def choco_sgd(
   check_learning_rate(learning_rate, "gj.choco_sgd")
   check_in_range(consensus_step, "gj.choco_sgd", "consensus_step", 0.0, 1.0, low_open=True)
   state_dtype = check_state_dtype(state_dtype, "gj.choco_sgd")
-  mixer = make_mixer(topology, backend)
+  mixer = make_mixer(topology, backend, name="gj.choco_sgd")
   contraction = compressor.contraction()
   with jax.ensure_compile_time_eval():  # concrete even when built inside a trace (optax.inject_hyperparams)
     base_key = _raw_key(key if seed is None else seed, "gj.choco_sgd")

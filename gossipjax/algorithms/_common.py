@@ -102,7 +102,7 @@ def primal_dual_method(name: str, method: str, topology: Any, backend: Backend |
   """
   check_learning_rate(learning_rate, name)
   state_dtype = check_state_dtype(state_dtype, name)
-  mixer = make_mixer(topology, backend)
+  mixer = make_mixer(topology, backend, name=name)
   require_static(mixer.topology, name)
   require_symmetric(mixer.topology, name, method)
 

@@ -111,7 +111,7 @@ def decentlam(
   check_learning_rate(learning_rate, "gj.decentlam")
   check_momentum(beta, "gj.decentlam")
   state_dtype = check_state_dtype(state_dtype, "gj.decentlam")
-  mixer = make_mixer(topology, backend)
+  mixer = make_mixer(topology, backend, name="gj.decentlam")
   _check_symmetric(mixer.topology, beta)
 
   def init_fn(params):

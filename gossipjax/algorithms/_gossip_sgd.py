@@ -9,7 +9,8 @@ from jax.typing import DTypeLike
 
 from gossipjax._validation import check_learning_rate, check_momentum
 from gossipjax.algorithms._common import check_state_dtype
-from gossipjax.mixing import Backend, float_leaves_only, mix
+from gossipjax.mixing import Backend, float_leaves_only
+from gossipjax.mixing._mix import mix_named
 
 
 
@@ -75,5 +76,5 @@ def gossip_sgd(
   parts = []
   if not (isinstance(beta, (int, float)) and beta == 0):
     parts.append(optax.trace(decay=beta, accumulator_dtype=state_dtype))
-  parts += [optax.scale_by_learning_rate(learning_rate), mix(topology, backend=backend)]
+  parts += [optax.scale_by_learning_rate(learning_rate), mix_named("gj.gossip_sgd", topology, backend=backend)]
   return float_leaves_only(optax.chain(*parts))

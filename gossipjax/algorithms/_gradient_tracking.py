@@ -1,4 +1,4 @@
-"""Gradient tracking (DIGing): exact convergence on static and time-varying graphs."""
+"""Gradient tracking (DIGing): exact convergence on static and time-varying graphs, and its tracker alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from gossipjax._validation import check_learning_rate
+from gossipjax._transform import NodeTransformation
+from gossipjax._validation import check_learning_rate, check_node_axis
 from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 from gossipjax.mixing._contract import next_count
@@ -17,7 +18,7 @@ from gossipjax.mixing._contract import next_count
 
 
 class GradientTrackingState(NamedTuple):
-  """State of `gradient_tracking`.
+  """State of `gradient_tracking` and of `gradient_tracker`.
 
   Attributes:
     count: int32 scalar, the number of steps taken (the schedule's step and W's index).
@@ -77,7 +78,7 @@ def gradient_tracking(
   """
   check_learning_rate(learning_rate, "gj.gradient_tracking")
   state_dtype = check_state_dtype(state_dtype, "gj.gradient_tracking")
-  mixer = make_mixer(topology, backend)
+  mixer = make_mixer(topology, backend, name="gj.gradient_tracking")
 
   def init_fn(params):
     return GradientTrackingState(count=jnp.zeros([], jnp.int32), correction=optax.tree.zeros_like(params, state_dtype))
@@ -93,3 +94,84 @@ def gradient_tracking(
     return updates, GradientTrackingState(count=next_count(state.count), correction=correction)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))
+
+
+def gradient_tracker(
+    topology: Any,
+    *,
+    backend: Backend | None = None,
+    state_dtype: DTypeLike | None = None,
+) -> NodeTransformation:
+  r"""Replaces each node's gradient by its gradient tracker, for any local optimizer to follow.
+
+  The tracking half of gradient tracking as a transform of its own: node i's incoming
+  update ``g_i^k`` (its gradient) leaves as its tracker of the network-average gradient,
+
+  .. math::
+    y^k = W^{(k-1)} y^{k-1} + g^k - g^{k-1}, \qquad y^0 = g^0,
+
+  one gossip round of ``y`` per step. ``gj.chain(gj.gradient_tracker(W), optax.adam(lr),
+  gj.mix(W))`` is gradient tracking with a per-node Adam step of the tracker (GTAdam,
+  Carnevale, Farina, Notarnicola and Notarstefano 2022): x and y each take a round per
+  step. At a fixed point every tracker holds the average gradient, which must then be
+  zero, so on heterogeneous data the nodes converge to the global minimiser where
+  decentralized Adam (``gj.chain(optax.adam(lr), gj.mix(W))``) stops short of it. With
+  ``optax.sgd(lr)`` in place of Adam it is DIGing's iteration with its two gossip rounds
+  apart (`gradient_tracking` sends x and y in one round).
+
+  The sum of the trackers equals the sum of the gradients at every step (W doubly
+  stochastic), so the tracker goes first in the chain: a transform that rescales the
+  gradients node by node before it (Adam's direction, clipping) is tracked instead of
+  the gradient, and its bias is kept.
+
+  Args:
+    topology: doubly stochastic mixing, static or time-varying (the ``y`` round of step
+      k uses ``W^{(k)}``, as `gradient_tracking` does).
+    backend: where the nodes live (default: the ``gj.backend.use`` block's, else simulate).
+    state_dtype: the dtype in which the tracker is formed, mixed and kept, e.g.
+      ``jnp.float32`` for bfloat16 gradients; ``None`` keeps the gradients'. The tracker
+      leaves in the gradients' dtype.
+
+  Returns:
+    A `gj.NodeTransformation` (``gj.chain`` leaves it as it is) whose state is a
+    `GradientTrackingState`; its ``update`` does not need ``params``. Non-float leaves
+    pass through untracked.
+
+  Raises:
+    ValueError: W is not doubly stochastic (a directed graph: see `sgp`, or row and
+      column mixing in `gj.mixing.make_mixer`), or the gradients' node axis does not
+      match the topology.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> tracker = gj.gradient_tracker(gj.topology.ring(4))
+    >>> g = jnp.arange(4.0)[:, None]
+    >>> y, state = tracker.update(g, tracker.init(g))       # y^0 = g^0
+    >>> y, state = tracker.update(g, state)                 # W y^0 + g - g
+    >>> [round(float(v), 4) for v in y.ravel()], float(y.sum())   # the sum is kept
+    ([1.3333, 1.0, 2.0, 1.6667], 6.0)
+    >>> tx = gj.chain(gj.gradient_tracker(gj.topology.ring(4)), optax.adam(1e-3), gj.mix(gj.topology.ring(4)))
+
+  References:
+    Nedić, Olshevsky, Shi (2017), Achieving Geometric Convergence for Distributed
+    Optimization over Time-Varying Graphs, SIAM Journal on Optimization 27(4).
+
+    Carnevale, Farina, Notarnicola, Notarstefano (2022), GTAdam: Gradient Tracking with
+    Adaptive Momentum for Distributed Online Optimization, IEEE Transactions on Control of
+    Network Systems.
+  """
+  state_dtype = check_state_dtype(state_dtype, "gj.gradient_tracker")
+  mixer = make_mixer(topology, backend, name="gj.gradient_tracker")
+
+  def init_fn(params):
+    return GradientTrackingState(count=jnp.zeros([], jnp.int32), correction=optax.tree.zeros_like(params, state_dtype))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    check_node_axis(updates, mixer.local_nodes, "gj.gradient_tracker", mixer.topology.name, what="gradients")
+    tracker = jax.tree.map(lambda c, g: c + g.astype(c.dtype), state.correction, updates)
+    correction = jax.tree.map(lambda wy, g: wy - g.astype(wy.dtype), mixer.mix(tracker, state.count), updates)
+    tracked = jax.tree.map(lambda y, g: y.astype(g.dtype), tracker, updates)
+    return tracked, GradientTrackingState(count=next_count(state.count), correction=correction)
+
+  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn), keep_other_updates=True)

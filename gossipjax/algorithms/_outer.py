@@ -155,7 +155,7 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
   period = check_period(inner_steps, name, "inner_steps")
   state_dtype = check_state_dtype(state_dtype, name)
   backend = resolve_backend(backend)
-  mixer = None if topology is None else make_mixer(topology, backend)
+  mixer = None if topology is None else make_mixer(topology, backend, name=name)
   inner_pn, outer_pn = per_node(inner, backend=backend), per_node(outer, backend=backend)
 
   def stacked_init(tx, params, arg):

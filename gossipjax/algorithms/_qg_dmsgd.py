@@ -90,7 +90,7 @@ def qg_dmsgd(
   check_learning_rate(learning_rate, "gj.qg_dmsgd")
   check_momentum(beta, "gj.qg_dmsgd")
   state_dtype = check_state_dtype(state_dtype, "gj.qg_dmsgd")
-  mixer = make_mixer(topology, backend)
+  mixer = make_mixer(topology, backend, name="gj.qg_dmsgd")
   mu = beta if mu is None else mu
   check_in_range(mu, "gj.qg_dmsgd", "mu", 0.0, 1.0)
 

@@ -94,7 +94,7 @@ def sgp(
   check_learning_rate(learning_rate, "gj.sgp")
   check_momentum(beta, "gj.sgp")
   state_dtype = check_state_dtype(state_dtype, "gj.sgp")
-  mixer = make_mixer(topology, backend, stochastic="column")
+  mixer = make_mixer(topology, backend, stochastic="column", name="gj.sgp")
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)

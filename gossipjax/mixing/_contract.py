@@ -53,7 +53,8 @@ def resolve_backend(backend: Backend | None) -> Backend:
   return backend
 
 
-def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stochasticity = "doubly") -> Mixer:
+def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stochasticity = "doubly", *,
+               name: str | None = None) -> Mixer:
   """Validates the topology for what the algorithm needs and builds the backend's mixer.
 
   How an algorithm gets its gossip step: it calls ``make_mixer`` once, when the transform
@@ -64,6 +65,8 @@ def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stocha
     backend: where the nodes live (default: ``gj.backend.simulate()``).
     stochastic: what the algorithm needs of W: ``"doubly"`` (rows and columns sum to 1,
       gossip averaging), ``"column"`` (push-sum, as `gj.sgp`), ``"row"`` or ``"none"``.
+    name: the public name of the transform being built (``"gj.my_method"``); a refusal
+      starts with it, as the library's own transforms' do.
 
   Returns:
     The backend's `Mixer` for the validated topology.
@@ -79,7 +82,12 @@ def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stocha
     >>> [round(float(v), 4) for v in mixer.mix(jnp.arange(4.0), 0)]  # W(0) x
     [1.3333, 1.0, 2.0, 1.6667]
   """
-  topo = as_topology(topology).check(stochastic=stochastic)
+  try:
+    topo = as_topology(topology).check(stochastic=stochastic)
+  except (TypeError, ValueError) as e:
+    if name is None:
+      raise
+    raise type(e)(f"{name}: {e}") from e
   return resolve_backend(backend).mixer(topo)
 
 

@@ -75,8 +75,14 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
     Xiao, Boyd (2004), Fast Linear Iterations for Distributed Averaging, Systems & Control
     Letters 53(1).
   """
-  period = check_period(every, "gj.mix")
-  mixer = make_mixer(topology, backend)
+  return mix_named("gj.mix", topology, every, backend)
+
+
+def mix_named(name: str, topology: Any, every: int = 1,
+              backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
+  """`mix`, with ``name`` (the public function called, e.g. ``"gj.gossip_sgd"``) in its error messages."""
+  period = check_period(every, name)
+  mixer = make_mixer(topology, backend, name=name)
 
   def init_fn(params):
     del params
@@ -84,8 +90,8 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
 
   def update_fn(updates, state, params=None, skip_nodes: SkipNodes | None = None, **extra_args):
     del extra_args
-    require_params(params, "gj.mix")
-    check_node_axis(params, mixer.local_nodes, "gj.mix", mixer.topology.name)
+    require_params(params, name)
+    check_node_axis(params, mixer.local_nodes, name, mixer.topology.name)
     updates = zero_skipped(updates, skip_nodes)
     x_half = jax.tree.map(lambda x, u: x + u, params, updates)
 

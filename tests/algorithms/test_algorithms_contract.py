@@ -53,6 +53,8 @@ METHODS = [
     Method("adam+mix", lambda: optax.chain(optax.adam(1e-2), gj.mix(W)), None, {}, True),
     Method("sgd+mix_every_3", lambda: optax.chain(optax.sgd(0.1), gj.mix(W, every=3)), None, {}, True),
     _method("gradient_tracking", gj.gradient_tracking, dict(topology=W, learning_rate=0.1)),
+    Method("gradient_tracker+adam+mix", lambda: gj.chain(gj.gradient_tracker(W), optax.adam(1e-2), gj.mix(W)),
+           None, {}, True),
     _method("exact_diffusion", gj.exact_diffusion, dict(topology=W, learning_rate=0.1), bf16_drift=0.2),
     _method("extra", gj.extra, dict(topology=W, learning_rate=0.1), bf16_drift=0.15),
     _method("sgp", gj.sgp, dict(topology=T.one_peer_directed_exponential(N), learning_rate=0.1, beta=0.5)),
