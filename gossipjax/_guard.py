@@ -216,7 +216,8 @@ def guard_finite(inner: optax.GradientTransformation,
     zeros = follow_placement(jnp.zeros((n,), jnp.int32), params)
     return GuardFiniteState(inner.init(params), zeros, zeros, jnp.asarray(max_consecutive, jnp.int32))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
+    grads = updates  # optax's name for the incoming tree; the guard checks gradients
     n = state.nonfinite_count.shape[0]
     if _num_nodes(grads, "the gradients") != n:
       raise ValueError(f"gj.guard_finite: the gradients have {_num_nodes(grads, 'the gradients')} nodes on the "
@@ -244,8 +245,7 @@ def guard_finite(inner: optax.GradientTransformation,
         max_consecutive=state.max_consecutive,
     )
 
-  # optax's TransformUpdateFn names its first argument `updates`; here it is the gradient.
-  return NodeTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+  return NodeTransformation(init_fn, update_fn)
 
 
 def _find_guard_state(state: Any) -> GuardFiniteState:

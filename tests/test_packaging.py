@@ -92,6 +92,7 @@ _CORE_CHILD = textwrap.dedent("""
         "allreduce_sgd": gj.allreduce_sgd(learning_rate=0.1, beta=0.9),
         "mix": gj.chain(optax.adam(1e-2), gj.mix(W)),
         "gradient_tracking": gj.gradient_tracking(W, learning_rate=0.1),
+        "gradient_tracker": gj.chain(gj.gradient_tracker(W), optax.adam(1e-2), gj.mix(W)),
         "exact_diffusion": gj.exact_diffusion(W, learning_rate=0.1),
         "extra": gj.extra(W, learning_rate=0.1),
         "sgp": gj.sgp(directed, learning_rate=0.1, beta=0.5),
@@ -153,4 +154,4 @@ def test_a_core_only_install_imports_every_module_and_steps_every_algorithm(tmp_
   res = subprocess.run([sys.executable, "-S", "-c", _CORE_CHILD], env=env, cwd=tmp_path, capture_output=True,
                        text=True, timeout=180)
   assert res.returncode == 0, res.stderr[-3000:]
-  assert "core ok: 15 methods" in res.stdout
+  assert "core ok: 16 methods" in res.stdout
