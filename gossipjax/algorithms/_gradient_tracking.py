@@ -111,18 +111,18 @@ def gradient_tracker(
     y^k = W^{(k-1)} y^{k-1} + g^k - g^{k-1}, \qquad y^0 = g^0,
 
   one gossip round of ``y`` per step. ``gj.chain(gj.gradient_tracker(W), optax.adam(lr),
-  gj.mix(W))`` is gradient tracking with a per-node Adam step of the tracker (GTAdam,
-  Carnevale, Farina, Notarnicola and Notarstefano 2022): x and y each take a round per
-  step. At a fixed point every tracker holds the average gradient, which must then be
-  zero, so on heterogeneous data the nodes converge to the global minimiser where
-  decentralized Adam (``gj.chain(optax.adam(lr), gj.mix(W))``) stops short of it. With
-  ``optax.sgd(lr)`` in place of Adam it is DIGing's iteration with its two gossip rounds
-  apart (`gradient_tracking` sends x and y in one round).
+  gj.mix(W))`` is gradient tracking with a per-node Adam step of the tracker, as in GTAdam
+  (Carnevale, Farina, Notarnicola and Notarstefano 2023), each node stepping before it
+  gossips: ``x^{k+1} = W^{(k)}(x^k - lr adam(y^k))``, x and y each a round per step. At a
+  fixed point every tracker holds the average gradient, which must then be zero, so on
+  heterogeneous data the nodes converge to the global minimiser where decentralized Adam
+  (``gj.chain(optax.adam(lr), gj.mix(W))``) stops short of it. With ``optax.sgd(lr)`` in
+  place of Adam the step is ``x^{k+1} = W^{(k)}(x^k - lr y^k)``, where `gradient_tracking`
+  (DIGing) takes ``W^{(k)} x^k - lr y^k`` and sends x and y in one round.
 
-  The sum of the trackers equals the sum of the gradients at every step (W doubly
-  stochastic), so the tracker goes first in the chain: a transform that rescales the
-  gradients node by node before it (Adam's direction, clipping) is tracked instead of
-  the gradient, and its bias is kept.
+  The trackers sum to the gradients at every step (W doubly stochastic). Put the tracker
+  first in the chain: a transform before it (Adam's direction, clipping) would be tracked
+  in place of the gradient, and its bias kept (the algorithms guide measures both orders).
 
   Args:
     topology: doubly stochastic mixing, static or time-varying (the ``y`` round of step
@@ -156,9 +156,9 @@ def gradient_tracker(
     Nedić, Olshevsky, Shi (2017), Achieving Geometric Convergence for Distributed
     Optimization over Time-Varying Graphs, SIAM Journal on Optimization 27(4).
 
-    Carnevale, Farina, Notarnicola, Notarstefano (2022), GTAdam: Gradient Tracking with
+    Carnevale, Farina, Notarnicola, Notarstefano (2023), GTAdam: Gradient Tracking with
     Adaptive Momentum for Distributed Online Optimization, IEEE Transactions on Control of
-    Network Systems.
+    Network Systems 10(3).
   """
   state_dtype = check_state_dtype(state_dtype, "gj.gradient_tracker")
   mixer = make_mixer(topology, backend, name="gj.gradient_tracker")
