@@ -9,7 +9,7 @@ import pytest
 import gossipjax as gj
 from gossipjax import topology as T
 
-from test_algorithms_exact import A, B, D, M, N, X0, X_STAR, grad_jax, grad_np, trajectory
+from test_algorithms_exact import D, N, X0, X_STAR, grad_np, trajectory
 
 STEPS = 25
 
@@ -92,5 +92,3 @@ def test_refusals_name_the_transform():
   with pytest.raises(ValueError, match="gj.gradient_tracker: state_dtype"):
     gj.gradient_tracker(T.ring(N), state_dtype=jnp.int32)
 
-
-del A, B, M, grad_jax
