@@ -177,6 +177,11 @@ def wire_bits(specs: Sequence[jax.ShapeDtypeStruct]) -> int:
   return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize * 8 for s in specs)
 
 
+def wide_dtype(dtype: Any) -> jnp.dtype:
+  """The dtype a compressor computes a leaf's norms and scales in: at least float32."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def require_real(dtype: Any, name: str) -> None:
   """Raises unless ``dtype`` holds real numbers (integer or floating point)."""
   dtype = jnp.dtype(dtype)

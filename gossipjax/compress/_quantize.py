@@ -9,7 +9,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from gossipjax.compress._base import Compressor, require_floating
+from gossipjax.compress._base import Compressor, require_floating, wide_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,8 @@ class Sign(Compressor):
 
   def _encode(self, x, key):
     del key
-    scale = (jnp.sum(jnp.abs(x)) / x.size).astype(x.dtype)
+    # The sum of |x| overflows float16 past 65,504, while the mean never exceeds max |x|.
+    scale = jnp.mean(jnp.abs(x), dtype=wide_dtype(x.dtype)).astype(x.dtype)
     return jnp.packbits(x.ravel() >= 0), scale  # bit 1: sent as +scale
 
   def _decode(self, compact, key, shape, dtype):
@@ -113,8 +114,9 @@ class QSGD(Compressor):
 
   def _encode(self, x, key):
     s = self.levels
-    norm = jnp.sqrt(jnp.sum(x * x))
-    r = jnp.abs(x) / jnp.where(norm == 0, 1, norm) * s
+    wide = x.astype(wide_dtype(x.dtype))  # a float16 sum of squares overflows once ||x|| passes 256
+    norm = jnp.sqrt(jnp.sum(wide * wide))
+    r = jnp.abs(wide) / jnp.where(norm == 0, 1, norm) * s
     lower = jnp.floor(r)
     level = lower + (jax.random.uniform(key, x.shape, r.dtype) < r - lower)
     return jnp.where(x < 0, -level, level).astype(self._level_dtype()), norm
@@ -122,7 +124,7 @@ class QSGD(Compressor):
   def _decode(self, compact, key, shape, dtype):
     del key
     level, norm = compact
-    q = (norm / self.levels * level.astype(dtype)).astype(dtype)
+    q = (norm / self.levels * level.astype(norm.dtype)).astype(dtype)
     return q if self.scaled else (q / (1.0 + self.omega(math.prod(shape)))).astype(dtype)
 
   def _check_dtype(self, dtype):
@@ -140,7 +142,8 @@ def qsgd(levels: int, scaled: bool = True) -> QSGD:
   ``scaled=False`` divides by ``1 + omega``, the contraction CHOCO-SGD uses (Koloskova
   et al. 2019). Wire form per layer: every entry's signed level ``sign(x_i) xi_i`` in
   ``-s, ..., s`` as ``int8`` (``int16`` above 127 levels, ``int32`` above 32,767), and
-  the norm in the layer's dtype. (A bit-packed code of ``1 + ceil(log2(s + 1))`` bits per
+  the norm, computed and sent in float32 for a 16-bit layer (float16 ends at 65,504) and
+  in the layer's dtype otherwise. (A bit-packed code of ``1 + ceil(log2(s + 1))`` bits per
   entry, or the paper's Elias coding, would send fewer.)
 
   Args:

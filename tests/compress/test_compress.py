@@ -64,6 +64,23 @@ def test_qsgd_values_lie_on_its_grid():
   assert float(C.qsgd(s).bits(X)) == 20 * 8 + 64  # an int8 level per entry, a float64 norm
 
 
+def test_float16_quantizers_take_norms_and_scales_in_float32():
+  """A float16 sum of squares overflows once ||x|| passes 256, a sum of |x| once it passes 65,504."""
+  x = jnp.full((1000,), 100.0, jnp.float16)  # ||x|| = 3162, sum |x| = 1e5, mean |x| = 100
+  key = jax.random.PRNGKey(0)
+  np.testing.assert_array_equal(C.sign().compress(x, key), x)
+  level, norm = C.qsgd(4).encode_leaf(x, key)
+  assert norm.dtype == jnp.float32 and float(norm) == pytest.approx(1000**0.5 * 100, rel=1e-6)
+  for c in (C.qsgd(4), C.qsgd(4, scaled=False)):
+    got = c.compress(x, key)
+    assert got.dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(got)))
+  got = np.asarray(C.qsgd(4).compress(x, key), np.float64)
+  assert set(np.unique(got)) <= {0.0, float(np.float16(float(norm) / 4))} and abs(got.mean() - 100) < 15
+  x0 = jnp.full((N, 300), 20.0, jnp.float16) + jnp.arange(N, dtype=jnp.float16)[:, None]  # ||x|| > 256
+  xs, _ = run(gj.choco_sgd(T.ring(N), C.qsgd(4), learning_rate=0.0, consensus_step=0.1, seed=0), x0, jnp.zeros_like, 3)
+  assert xs.dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(xs)))
+
+
 @pytest.mark.parametrize("compressor", [C.random_k(0.25), C.qsgd(2)], ids=["random_k", "qsgd"])
 def test_unbiased_compressors_are_unbiased(compressor):
   assert compressor.unbiased
