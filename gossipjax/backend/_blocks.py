@@ -599,11 +599,23 @@ def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, ex
   rank-one terms is a ``lax.switch`` over whole plans. With ``wire``, the leaves' compact
   parts cross instead of their rows (in buckets of their own) and are decoded on arrival;
   rank-one terms still all-reduce dense partial sums. ``layouts`` (one hashable per leaf)
-  packs only leaves laid out alike on a mesh's other axes.
+  packs only leaves laid out alike on a mesh's other axes. A leaf that is not a float
+  (an integer counter, a key) is returned unchanged, on every backend.
   """
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     return tree
+  keep = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if len(keep) < len(leaves):
+    # Integer, bool and key leaves (counters, seeds) pass through unchanged, as the simulation leaves them.
+    sub_wire = None if wire is None else Wire([wire.parts[i] for i in keep],
+                                              lambda j, p, s, c: wire.decode(keep[j], p, s, c), wire.context)
+    mixed = mix_blocks(plans, [leaves[i] for i in keep], step, device, exchange, reduce, bucket_bytes, table,
+                       sub_wire, None if layouts is None else [layouts[i] for i in keep])
+    out = list(leaves)
+    for i, y in zip(keep, mixed):
+      out[i] = y
+    return jax.tree.unflatten(treedef, out)
   groups = buckets(leaves, bucket_bytes, layouts)
   packed = [_pack([leaves[i] for i in idx]) for idx in groups]
   travel = None if wire is None else _compact_travel(wire, leaves, groups, bucket_bytes)

@@ -87,3 +87,13 @@ def test_rank_one_topologies_mix_as_their_dense_matrix(topo):
   mixer = gj.backend.pmapped("nodes").mixer(topo)
   got = jax.pmap(lambda x: mixer.mix(x), axis_name="nodes")(blocks(x))
   np.testing.assert_allclose(np.asarray(got).reshape(x.shape), topo.matrix() @ x, rtol=0, atol=1e-14)
+
+
+def test_integer_leaves_pass_through_as_in_the_simulation():
+  """One rule on every backend: float leaves are mixed, an integer counter is left alone."""
+  topo = T.ring(16)
+  tree = {"w": np.random.default_rng(0).normal(size=(16, 3)), "count": np.arange(16, dtype=np.int32) * 7}
+  mixer = gj.backend.pmapped("nodes").mixer(topo)
+  got = jax.pmap(lambda t: mixer.mix(t), axis_name="nodes")(jax.tree.map(blocks, tree))
+  np.testing.assert_array_equal(np.asarray(got["count"]).ravel(), tree["count"])
+  np.testing.assert_allclose(np.asarray(got["w"]).reshape(16, 3), topo.matrix() @ tree["w"], rtol=0, atol=1e-14)

@@ -189,3 +189,15 @@ def test_rank_one_topologies_mix_as_their_dense_matrix(backend, topo):
     x0, a, b = cases.problem(topo.num_nodes)
     got = _sharded_trajectory("gossip_sgd", topo, backend, x0, a, b)
     np.testing.assert_allclose(got, cases.reference("gossip_sgd", topo, x0, a, b), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("topo", [T.ring(16), T.complete(16)], ids=lambda t: t.name)
+def test_integer_leaves_pass_through_as_in_the_simulation(backend, topo):
+  """One rule on every backend: float leaves are mixed, an integer counter is left alone."""
+  tree = {"w": np.random.default_rng(0).normal(size=(16, 3)), "count": np.arange(16, dtype=np.int32) * 7}
+  mixer = backend.mixer(topo)
+  got = jax.jit(lambda t: mixer.mix(t))(backend.shard(tree))
+  sim = gj.backend.simulate().mixer(topo).mix(jax.tree.map(jnp.asarray, tree))
+  np.testing.assert_array_equal(got["count"], tree["count"])
+  np.testing.assert_array_equal(sim["count"], tree["count"])
+  np.testing.assert_allclose(got["w"], topo.matrix() @ tree["w"], rtol=0, atol=1e-14)
