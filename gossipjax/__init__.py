@@ -14,6 +14,7 @@ from gossipjax._nodes import (
     evaluate_nodes,
     init_nodes,
     node_mean,
+    nodes,
     nonfinite_nodes,
     per_node,
 )
@@ -44,7 +45,6 @@ from gossipjax.algorithms import (
     qg_dmsgd,
     sgp,
 )
-from gossipjax._transform import NodeTransformation
 from gossipjax.mixing import MixState, mix
 
 __version__ = "0.1.0"
@@ -58,7 +58,6 @@ __all__ = (
     "GradientTrackingState",
     "GuardFiniteState",
     "MixState",
-    "NodeTransformation",
     "OuterState",
     "PeriodicAverageState",
     "QGMomentumState",
@@ -91,6 +90,7 @@ __all__ = (
     "mix",
     "mixing",
     "node_mean",
+    "nodes",
     "noloco",
     "nonfinite_counts",
     "nonfinite_nodes",

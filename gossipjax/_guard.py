@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gossipjax._transform import NodeTransformation
+from gossipjax._axis import mapping
 from gossipjax.backend._base import follow_placement
+from gossipjax.mixing._named import varies_over_nodes
 
 
 class GuardFiniteState(NamedTuple):
@@ -95,6 +96,8 @@ def zero_skipped(updates: Any, skip_nodes: SkipNodes | None) -> Any:
   if skip_nodes is None:
     return updates
   mask = skip_nodes.mask
+  if jnp.ndim(mask) == 0:  # one node, inside gj.nodes: its own flag
+    return jax.tree.map(lambda u: jnp.where(mask, jnp.zeros_like(u), u), updates)
   n = mask.shape[0]
 
   def zero(u):
@@ -113,7 +116,10 @@ def _zeroes_skipped_nodes(state: Any) -> bool:
   return any(marked(s) for s in jax.tree.leaves(state, is_leaf=marked))
 
 
-def _num_nodes(tree: Any, what: str) -> int:
+def _num_nodes(tree: Any, what: str) -> int | None:
+  """The leading node axis of ``tree``; ``None`` for one node (inside ``gj.nodes``)."""
+  if mapping() is not None:
+    return None
   leaves = jax.tree.leaves(tree)
   if not leaves:
     raise ValueError(f"gj.guard_finite: {what} has no leaves")
@@ -125,17 +131,29 @@ def _num_nodes(tree: Any, what: str) -> int:
   return n
 
 
-def _bad_nodes(tree: Any, n: int) -> jax.Array:
+def _bad_nodes(tree: Any, n: int | None) -> jax.Array:
   """Per node, whether any floating-point leaf of ``tree`` holds a NaN or inf (other leaves are finite)."""
-  bad = jnp.zeros((n,), bool)
+  bad = jnp.zeros(() if n is None else (n,), bool)
   for x in jax.tree.leaves(tree):
     if jnp.issubdtype(x.dtype, jnp.inexact):
-      bad = bad | ~jnp.isfinite(x).reshape(n, -1).all(axis=1)
+      bad = bad | ~(jnp.isfinite(x).all() if n is None else jnp.isfinite(x).reshape(n, -1).all(axis=1))
   return bad
 
 
-def _keep_old_for_bad(new: Any, old: Any, bad: jax.Array, n: int) -> Any:
-  """Per-node leaves (leading axis n, numeric) of bad nodes go back to their old values."""
+def _keep_old_for_bad(new: Any, old: Any, bad: jax.Array, n: int | None) -> Any:
+  """Per-node leaves (leading axis n, numeric) of bad nodes go back to their old values.
+
+  For one node (``n`` is ``None``) a per-node leaf is one that differs from node to node; a
+  value every node holds alike (a step count) advances.
+  """
+  if n is None:
+    per_node = iter([a or b for a, b in zip(varies_over_nodes(new), varies_over_nodes(old))])
+
+    def pick_one(a, b):
+      keep = next(per_node) and not jnp.issubdtype(a.dtype, jax.dtypes.prng_key) and jnp.shape(a) == jnp.shape(b)
+      return jnp.where(bad, b, a) if keep else a
+
+    return jax.tree.map(pick_one, new, old)
 
   def pick(a, b):
     if (isinstance(a, jax.Array) and a.ndim >= 1 and a.shape[0] == n and a.shape == jnp.shape(b)
@@ -213,13 +231,14 @@ def guard_finite(inner: optax.GradientTransformation,
 
   def init_fn(params):
     n = _num_nodes(params, "params")
-    zeros = follow_placement(jnp.zeros((n,), jnp.int32), params)
+    zeros = jnp.zeros([], jnp.int32) if n is None else follow_placement(jnp.zeros((n,), jnp.int32), params)
     return GuardFiniteState(inner.init(params), zeros, zeros, jnp.asarray(max_consecutive, jnp.int32))
 
   def update_fn(updates, state, params=None, **extra_args):
     grads = updates  # optax's name for the incoming tree; the guard checks gradients
-    n = state.nonfinite_count.shape[0]
-    if _num_nodes(grads, "the gradients") != n:
+    n = _num_nodes(grads, "the gradients")
+    if n is not None and n != state.nonfinite_count.shape[0]:
+      n = state.nonfinite_count.shape[0]
       raise ValueError(f"gj.guard_finite: the gradients have {_num_nodes(grads, 'the gradients')} nodes on the "
                        f"leading axis but the state was initialised for {n}")
     bad = _bad_nodes(grads, n)
@@ -245,7 +264,7 @@ def guard_finite(inner: optax.GradientTransformation,
         max_consecutive=state.max_consecutive,
     )
 
-  return NodeTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _find_guard_state(state: Any) -> GuardFiniteState:

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gossipjax._transform import NodeTransformation
+from gossipjax._axis import AXIS, Mapping, mapped, mapping
 from gossipjax.mixing import resolve_backend
+from gossipjax.mixing._named import varies_over_nodes
 
 
 def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: int, same_init: bool = True) -> Any:
@@ -246,27 +247,215 @@ def evaluate_mean(metric_fn: Callable[[Any, Any], Any], params: Any, batch: Any)
   return metric_fn(node_mean(params), batch)
 
 
-def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> NodeTransformation:
-  """Wraps an optax transform so that ``init`` and ``update`` act on each node on its own.
+def _leading(tree: Any, where: str) -> int:
+  """The node count of a node-stacked tree (its leaves' common leading axis)."""
+  sizes = {int(jnp.shape(x)[0]) if jnp.ndim(x) else None for x in jax.tree.leaves(tree)}
+  if not sizes:
+    raise ValueError(f"{where}: the params have no leaves")
+  if None in sizes or len(sizes) != 1:
+    path, leaf = next((p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+                      if not jnp.ndim(x) or jnp.shape(x)[0] != max(s or 0 for s in sizes))
+    got = "no node axis (a scalar)" if not jnp.ndim(leaf) else f"a leading axis of {jnp.shape(leaf)[0]}"
+    raise ValueError(f"{where}: leaf {jax.tree_util.keystr(path) or '<root>'} has {got}, where the others have "
+                     f"{max(s or 0 for s in sizes)} nodes; stack every node's values on axis 0 (gj.init_nodes)")
+  (n,) = sizes
+  assert n is not None
+  return n
+
+
+def _materialize(params: Any) -> Any:
+  """Zeros for abstract leaves (``jax.ShapeDtypeStruct``), placed as their sharding says."""
+
+  def leaf(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jnp.zeros(x.shape, x.dtype, device=x.sharding)
+    return x
+
+  return jax.tree.map(leaf, params)
+
+
+def _mesh_of(backend: Any) -> Any:
+  mesh = getattr(backend, "mesh", None)
+  return mesh if isinstance(mesh, jax.sharding.Mesh) else None
+
+
+def _axes(flags: list[bool], treedef: Any) -> Any:
+  return jax.tree.unflatten(treedef, [0 if f else None for f in flags])
+
+
+def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
+          where: str = "gj.nodes") -> optax.GradientTransformationExtraArgs:
+  """Maps a one-node optax transform over node-stacked trees, with the node axis named ``"nodes"``.
+
+  ``tx`` is written for one node: any optax transform or combinator (``optax.chain``,
+  ``masked``, ``inject_hyperparams``, ``MultiSteps``, ``apply_if_finite``, ...) around or
+  inside gossipjax's own. Communication is a collective over the axis ``"nodes"``: inside
+  the mapping `gj.mix` and the methods' gossip rounds exchange with the neighbours, and the
+  all-reduce methods take the mean over all nodes. Everything else runs on each node alone,
+  so ``clip_by_global_norm`` clips each node by its own norm and ``apply_if_finite`` skips
+  only the node whose gradient is NaN.
+
+  The mapped transform takes and returns stacked trees (a leading node axis on every leaf),
+  as every gossipjax transform does. Its state stacks what differs from node to node
+  (moments, trackers) on the node axis and keeps what every node holds alike (a step count,
+  an injected hyperparameter) as one value, as optax's own state would be. A value given to
+  ``optax.tree_utils.tree_set`` may be a scalar (every node takes it) or have shape (n,)
+  (one per node); extra arguments of ``update`` with a leading axis of n are per node, the
+  rest shared.
+
+  How the nodes are mapped: ``jax.vmap(..., axis_name="nodes")`` over the arrays the
+  backend's transforms see (all n nodes when simulating or sharded, where the compiler keeps
+  each node's work on its device; a rank's own nodes under MPI); the collectives run the
+  backend's stacked mixer and mean.
+
+  Args:
+    tx: an optax transform written for one node's params.
+    backend: where the nodes live (default: the ``gj.backend.use`` block's, else simulate);
+      every gossipjax transform inside ``tx`` must have been built for the same one.
+    where: the public name used in error messages.
+
+  Returns:
+    An optax transform over node-stacked trees. Called for one node (inside another
+    mapping) it is ``tx`` itself.
+
+  Raises:
+    ValueError: a leaf lacks the node axis, a state was not made by this transform's
+      ``init``, or a transform inside was built for another backend.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> W = gj.topology.complete(2)
+    >>> mask = {"w": True, "b": False}  # gossip the kernel only
+    >>> tx = gj.nodes(optax.chain(optax.sgd(1.0), optax.masked(gj.mix(W), mask)))
+    >>> x = {"w": jnp.zeros((2, 2)), "b": jnp.zeros((2, 1))}
+    >>> g = {"w": jnp.array([[1.0, 1.0], [3.0, 3.0]]), "b": jnp.array([[1.0], [3.0]])}
+    >>> u, _ = tx.update(g, tx.init(x), x)
+    >>> u["w"].tolist(), u["b"].tolist()  # w averaged over both nodes, b local
+    ([[-2.0, -2.0], [-2.0, -2.0]], [[-1.0], [-3.0]])
+  """
+  if not _is_transform(tx):
+    raise TypeError(f"{where}: expected an optax transform, got {tx!r}"
+                    + (" (a function: call it, e.g. optax.adam(1e-3))" if callable(tx) else ""))
+  backend = resolve_backend(backend)
+  inner = optax.with_extra_args_support(tx)
+  mesh = _mesh_of(backend)
+
+  def run(fn, in_axes, out_axes, args, n):
+    context = Mapping(backend, n, where)
+
+    def one(*a):
+      with mapped(context):
+        return fn(*a)
+
+    call = lambda *a: jax.vmap(one, in_axes=in_axes, out_axes=out_axes, axis_name=AXIS)(*a)
+    if mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types:
+      # vmap's broadcasts of per-node values need the mesh to place them on an Explicit mesh.
+      with jax.set_mesh(mesh):
+        return call(*args)
+    return call(*args)
+
+  def flags_of(fn, in_axes, args, n):
+    """Which outputs of ``fn`` vary over the nodes (traced once, abstractly)."""
+    found: list[bool] = []
+
+    def probe(*a):
+      out = fn(*a)
+      found.extend(varies_over_nodes(out))
+      return out
+
+    jax.eval_shape(lambda *a: run(probe, in_axes, 0, a, n), *args)
+    return found
+
+  def init_state(params, n):
+    flags = flags_of(inner.init, 0, (params,), n)
+    treedef = jax.tree.structure(jax.eval_shape(lambda p: run(inner.init, 0, 0, (p,), n), params))
+    layout = flags
+    # A leaf shared at init that the first update makes per node (apply_if_finite's counters)
+    # is stacked from the start, so the state keeps one structure from step to step.
+    for _ in range(3):
+      state = jax.eval_shape(lambda p, lay=layout: run(inner.init, 0, _axes(lay, treedef), (p,), n), params)
+      try:
+        grown = _update_flags(params, state, params, {}, n)[1]
+      except Exception:  # noqa: BLE001 - an update that needs extra args cannot be traced here
+        break
+      merged = [a or b for a, b in zip(layout, grown)]
+      if merged == layout:
+        break
+      layout = merged
+    return run(inner.init, 0, _axes(layout, treedef), (params,), n)
+
+  def init_fn(params):
+    if mapping() is not None:
+      return inner.init(params)
+    params = _materialize(params)
+    return init_state(params, _leading(params, where))
+
+  def state_axes(state, params, n):
+    full = jax.eval_shape(lambda p: run(inner.init, 0, 0, (p,), n), params)
+    if jax.tree.structure(state) != jax.tree.structure(full):
+      raise ValueError(f"{where}: this state was not made by this transform's init (its structure differs: "
+                       f"{_short(jax.tree.structure(state))} against {_short(jax.tree.structure(full))}); "
+                       "pass the state that tx.init returned")
+
+    def axis(path, x, f):
+      shape = tuple(jnp.shape(x))
+      if shape == tuple(f.shape):
+        return 0
+      if shape == tuple(f.shape[1:]):
+        return None
+      raise ValueError(f"{where}: state leaf {jax.tree_util.keystr(path)} has shape {shape}; expected "
+                       f"{tuple(f.shape)} (one value per node) or {tuple(f.shape[1:])} (one for every node)")
+
+    return jax.tree_util.tree_map_with_path(axis, state, full)
+
+  def _update_flags(updates, state, params, extra, n):
+    axes_s = state_axes(state, updates if params is None else params, n)
+    axes_e = jax.tree.map(lambda x: 0 if jnp.ndim(x) and jnp.shape(x)[0] == n else None, extra)
+    in_axes = (0, axes_s, None if params is None else 0, axes_e)
+    step = lambda u, s, p, e: inner.update(u, s, p, **e)
+    flags = flags_of(step, in_axes, (updates, state, params, extra), n)
+    n_updates = len(jax.tree.leaves(updates))
+    return in_axes, flags[n_updates:]
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if mapping() is not None:
+      return inner.update(updates, state, params, **extra_args)
+    n = _leading(updates, where)
+    in_axes, flags = _update_flags(updates, state, params, extra_args, n)
+    shared_in = [a is None for a in jax.tree.leaves(in_axes[1], is_leaf=lambda a: a is None)]
+    out_state = [0 if f or not s else None for f, s in zip(flags, shared_in)]
+    out_axes = (0, jax.tree.unflatten(jax.tree.structure(state), out_state))
+    step = lambda u, s, p, e: inner.update(u, s, p, **e)
+    return run(step, in_axes, out_axes, (updates, state, params, extra_args), n)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _is_transform(tx: Any) -> bool:
+  """An optax transform, or an object with its two methods (``optax.MultiSteps``)."""
+  return callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+
+
+def _short(treedef: Any) -> str:
+  text = str(treedef)
+  return text if len(text) <= 120 else text[:117] + "..."
+
+
+def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> optax.GradientTransformationExtraArgs:
+  """Wraps an optax transform so that ``init`` and ``update`` act on each node on its own: `nodes`.
 
   A transform that reduces over the whole tree sees the stacked node axis as part of one
   model when used bare: ``optax.clip_by_global_norm(1.0)`` then takes one norm over every
-  node's gradient, so one node with a large gradient shrinks every other node's step, and
-  ``optax.apply_if_finite`` skips every node's step when one node's gradient is NaN. Under
-  ``per_node`` each node has its own norm, its own state and its own skip counter. Elementwise
-  transforms (``scale``, ``trace``, ``adam``, ...) give the same result either way.
+  node's gradient, and ``optax.apply_if_finite`` skips every node's step when one node's
+  gradient is NaN. Under ``per_node`` each node has its own norm and its own skip counter.
+  It is `gj.nodes` under the name that says what it does to a local transform.
 
   Args:
     tx: any ``optax.GradientTransformation``, written for one node's params.
-    backend: where the nodes live; its ``map`` runs each node's transform on the device (or
-      rank) that holds the node (default: ``gj.backend.simulate()``, a plain ``jax.vmap``).
+    backend: where the nodes live (default: the ``gj.backend.use`` block's, else simulate).
 
   Returns:
-    A transform over node-stacked trees; its state is ``tx``'s state with a leading node
-    axis on every leaf. Extra arguments of ``update`` are passed unchanged to every node.
-
-  Raises:
-    TypeError: ``tx``'s state cannot be stacked over nodes (a leaf that is not an array).
+    A transform over node-stacked trees (see `nodes`).
 
   Example:
     >>> import jax.numpy as jnp, optax, gossipjax as gj
@@ -280,46 +469,25 @@ def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> NodeTr
     >>> [[round(float(v), 2) for v in node] for node in u]
     [[0.6, 0.8], [0.06, 0.08]]
   """
-
-  backend = resolve_backend(backend)
-  inner = optax.with_extra_args_support(tx)
-
-  def init_fn(params):
-    try:
-      return backend.map(inner.init)(params)
-    except TypeError as e:
-      raise TypeError(f"gj.per_node: the state of this transform cannot be stacked over nodes ({e}); "
-                      "per_node needs a state whose leaves are arrays") from e
-
-  def update_fn(updates, state, params=None, **extra_args):
-    # gj.guard_finite's (n,) mask of skipped nodes is not for a transform that sees one node:
-    # the guard itself keeps a skipped node's update and state.
-    extra_args.pop("skip_nodes", None)
-    one = lambda u, s, p: inner.update(u, s, p, **extra_args)
-    return backend.map(one, in_axes=(0, 0, None if params is None else 0))(updates, state, params)
-
-  return NodeTransformation(init_fn, update_fn)
+  return nodes(tx, backend=backend, where="gj.per_node")
 
 
-def chain(*transforms: optax.GradientTransformation, backend: Any = None) -> NodeTransformation:
-  """``optax.chain`` for node-stacked params: every transform that is not node-aware runs per node.
+def chain(*transforms: optax.GradientTransformation, backend: Any = None) -> optax.GradientTransformationExtraArgs:
+  """``optax.chain`` for node-stacked params: ``gj.nodes(optax.chain(*transforms))``.
 
-  The node axis is the leading axis of every leaf, so an optax transform that reduces over
-  the whole tree (``clip_by_global_norm``, ``apply_if_finite``, ``lamb``, ``lars``,
-  ``adafactor``'s factored moments) would reduce across nodes: one node's NaN would stop
-  every node, and one norm would clip them all. ``gj.chain`` wraps each such transform in
-  `per_node`, so each node's update is the transform run on that node alone; gossipjax's
-  own transforms (`NodeTransformation`: `mix`, the algorithms, `per_node`, `guard_finite`,
-  anything wrapped in ``gj.mixing.float_leaves_only``) are left as they are. Elementwise
-  transforms (``sgd``, ``adam``) give the same numbers either way.
+  Every transform is written for one node; gossipjax's (`mix`, the methods, the averages,
+  `guard_finite`) communicate over the named node axis wherever they sit, also inside an
+  optax wrapper (``optax.masked``, ``inject_hyperparams``, ``MultiSteps``, a nested
+  ``optax.chain``). A transform that reduces over the whole tree (``clip_by_global_norm``,
+  ``apply_if_finite``, ``lamb``) reduces over one node's tree.
 
   Args:
     *transforms: optax transforms, in order, as for ``optax.chain``.
-    backend: where the nodes live, for the per-node transforms (use the backend the gossip
-      transforms were given; default: ``gj.backend.simulate()``).
+    backend: where the nodes live (default: the ``gj.backend.use`` block's, else simulate);
+      the gossipjax transforms in the chain must have been built for the same one.
 
   Returns:
-    The chained transform, a `NodeTransformation`.
+    The chained transform over node-stacked trees (see `nodes`).
 
   Example:
     >>> import jax.numpy as jnp, optax, gossipjax as gj
@@ -330,6 +498,10 @@ def chain(*transforms: optax.GradientTransformation, backend: Any = None) -> Nod
     >>> [round(float(v), 2) for v in u[0]]          # the average of -[0.6, 0.8] and -[0.3, 0.4]
     [-0.45, -0.6]
   """
-  parts = [t if isinstance(t, NodeTransformation) else per_node(t, backend=backend) for t in transforms]
-  chained = optax.chain(*parts)
-  return NodeTransformation(chained.init, chained.update)
+  for i, t in enumerate(transforms):
+    if not _is_transform(t):
+      hint = " (a function: call it, e.g. optax.adam(1e-3))" if callable(t) else ""
+      raise TypeError(f"gj.chain: argument {i} is not an optax transform, got {t!r}{hint}")
+  parts = [t if isinstance(t, optax.GradientTransformation) else optax.GradientTransformationExtraArgs(t.init, t.update)
+           for t in transforms]
+  return nodes(optax.chain(*parts), backend=backend, where="gj.chain")

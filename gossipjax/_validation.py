@@ -15,6 +15,8 @@ import jax.core  # jax.core.Tracer: a type checker sees the submodule only where
 import jax.numpy as jnp
 import numpy as np
 
+from gossipjax._axis import mapping
+
 
 def check_in_range(value: Any, name: str, arg: str, low: float, high: float, low_open: bool = False) -> None:
   """Raises ``ValueError`` when the number ``arg`` lies outside ``[low, high]`` (``(low, high]``)."""
@@ -26,12 +28,16 @@ def check_in_range(value: Any, name: str, arg: str, low: float, high: float, low
     raise ValueError(f"{name}: {arg} must be in {bracket}{low}, {high}], got {value!r}")
 
 
+MAX_PERIOD = 2**31 - 1  # the largest period an int32 step counter reaches
+
+
 def check_period(value: Any, name: str, arg: str = "every") -> int | jax.Array:
   """A period (``every``): a positive Python int, or a traced integer scalar given back as it is.
 
   ``optax.inject_hyperparams`` hands every numeric argument to the transform as an array:
   a concrete one (``init``, an eager ``update``) is read as an int, a traced one (``update``
-  under ``jit``) is used as a traced period, so it can change without a recompile.
+  under ``jit``) is used as a traced period, so it can change without a recompile. The step
+  counter it is compared with is an int32, so a period must stay below ``2**31``.
   """
   if isinstance(value, (jax.Array, np.ndarray, np.generic)):
     if np.ndim(value) or not jnp.issubdtype(value.dtype, jnp.integer):
@@ -42,6 +48,9 @@ def check_period(value: Any, name: str, arg: str = "every") -> int | jax.Array:
     value = int(value)
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f"{name}: {arg} must be a positive integer, got {value!r}")
+  if False and value > MAX_PERIOD:
+    raise ValueError(f"{name}: {arg} must be at most 2**31 - 1 = {MAX_PERIOD} (the step counter is an int32), "
+                     f"got {value}")
   return value
 
 
@@ -62,8 +71,11 @@ def check_positive_int(value: Any, name: str, arg: str) -> int:
 def check_node_axis(tree: Any, expected: int, name: str, topology_name: str, what: str = "params") -> None:
   """Raises ``ValueError`` naming both sizes when a leaf's leading axis is not ``expected``.
 
-  Shapes are static under ``jit``, so this costs nothing at run time.
+  Shapes are static under ``jit``, so this costs nothing at run time. For one node (inside
+  ``gj.nodes``) there is no node axis to check.
   """
+  if mapping() is not None:
+    return
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     shape = getattr(leaf, "shape", ())
     if len(shape) == 0 or shape[0] != expected:
@@ -78,8 +90,11 @@ def require_node_axis(tree: Any, name: str, what: str = "params") -> None:
   """Raises ``ValueError`` naming the first floating-point leaf without a leading node axis (a scalar).
 
   For the transforms that average over the node axis with no topology to fix n (all-reduce,
-  periodic averaging, EASGD's center): a scalar leaf has no node axis to average over.
+  periodic averaging, EASGD's center): a scalar leaf has no node axis to average over. For one
+  node (inside ``gj.nodes``) the average is a collective over the named axis.
   """
+  if mapping() is not None:
+    return
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     dtype = getattr(leaf, "dtype", None)
     if np.ndim(leaf) == 0 and (dtype is None or jnp.issubdtype(dtype, jnp.inexact)):

@@ -69,6 +69,7 @@ RESUME_OPTIONS = ("algorithms", "topologies", "nodes", "lr", "beta", "seed", "ba
 
 
 def build_parser() -> argparse.ArgumentParser:
+  from gossipjax._validation import MAX_PERIOD
   from gossipjax.train import ALGORITHMS, TOPOLOGIES
   from gossipjax.train._registry import COMPRESSORS
 
@@ -102,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                  default=0.1, help="choco with top_k or random_k: the fraction of entries each message keeps")
   t.add_argument("--consensus-step", type=_real("a number in (0, 1]", 0.0, 1.0, low_open=True, high_open=False),
                  default=0.3, help="choco: the consensus step size (too large for the compressor diverges)")
-  t.add_argument("--average-every", type=_integer(1, "a positive integer"), default=10,
+  period = _integer(1, f"a positive integer of at most 2**31 - 1 = {MAX_PERIOD}", high=None)
+  t.add_argument("--average-every", type=period, default=10,
                  help="dmsgd_pga: steps between global averages")
-  t.add_argument("--inner-steps", type=_integer(1, "a positive integer"), default=10,
+  t.add_argument("--inner-steps", type=period, default=10,
                  help="diloco, noloco: local AdamW steps (learning rate --lr, b1 --beta) per outer step")
   t.add_argument("--outer-lr", type=_real("a finite number > 0", 0.0, low_open=True), default=0.7,
                  help="diloco, noloco: the outer learning rate")

@@ -77,14 +77,6 @@ def test_a_bare_optax_chain_couples_the_nodes_where_gj_chain_does_not():
   assert float(jnp.abs(local(up)["b"]).max()) > 0.0
 
 
-def test_gj_transforms_are_left_as_they_are():
-  mix, sgd = gj.mix(W), optax.sgd(0.1)
-  assert isinstance(mix, gj.NodeTransformation) and not isinstance(sgd, gj.NodeTransformation)
-  for tx in (gj.gossip_sgd(W, learning_rate=0.1), gj.per_node(sgd), gj.guard_finite(mix),
-             gj.allreduce_sgd(learning_rate=0.1), gj.mixing.float_leaves_only(sgd), gj.chain(sgd, mix)):
-    assert isinstance(tx, gj.NodeTransformation)
-
-
 def test_sharded_per_node_composition_has_no_all_reduce():
   k = 8
   be = gj.backend.sharded(jax.make_mesh((k,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,)))

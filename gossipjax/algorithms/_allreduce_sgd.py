@@ -8,9 +8,9 @@ import optax
 from jax.typing import DTypeLike
 
 from gossipjax._validation import check_learning_rate, check_momentum, require_node_axis
-from gossipjax._transform import NodeTransformation
 from gossipjax.algorithms._common import check_state_dtype, in_dtypes_of_updates
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
+from gossipjax.mixing._named import node_average
 
 
 
@@ -20,7 +20,7 @@ def all_reduce(backend: Backend | None = None) -> optax.GradientTransformationEx
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    return backend.mean(updates), state
+    return node_average(backend, updates, "gj.allreduce_sgd"), state
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn),
                            keep_other_updates=True)
@@ -99,4 +99,4 @@ def _node_axis_checked(tx: optax.GradientTransformationExtraArgs, name: str) -> 
     require_node_axis(updates, name, "updates")
     return tx.update(updates, state, params, **extra_args)
 
-  return NodeTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -16,6 +16,8 @@ from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.compress._base import leaf_keys
 from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
 from gossipjax.mixing._contract import next_count
+from gossipjax.mixing._named import node_index, node_shape, on_nodes
+from gossipjax._axis import mapping
 
 from gossipjax.compress import Compressor
 
@@ -167,20 +169,21 @@ def choco_sgd(
     base_key = _raw_key(key if seed is None else seed, "gj.choco_sgd")
   if seed is not None and not (isinstance(key, int) and key == 0):
     raise ValueError("gj.choco_sgd: give key or seed, not both (seed=s is key=s)")
-  # Compression is per node; the backend's map keeps it on the device that holds the node (a
-  # vmapped top-k or random permutation over a sharded node axis would otherwise be all-gathered).
-  node_map = resolve_backend(backend).map
+  # Compression is per node; on stacked trees the backend's map keeps it on the device that holds
+  # the node (a vmapped top-k or random permutation over a sharded node axis would otherwise be
+  # all-gathered); for one node (inside gj.nodes) it is the node's own computation.
+  backend = resolve_backend(backend)
 
   def init_fn(params):
-    leaves = jax.tree.leaves(params)
-    n = leaves[0].shape[0] if leaves and leaves[0].ndim else mixer.local_nodes
+    shape = node_shape(params) if jax.tree.leaves(params) else (mixer.local_nodes,)
     state = ChocoState(
         count=jnp.zeros([], jnp.int32),
         public=optax.tree.zeros_like(params, state_dtype),
         neighbour_sum=optax.tree.zeros_like(params, state_dtype),
         # Keyed by the global node index, so a node draws the same bits on every backend.
-        key=jax.vmap(lambda i: jax.random.fold_in(base_key, i))(mixer.first_node() + jnp.arange(n)),
-        message_bits=jnp.zeros([n], float),
+        key=jnp.vectorize(lambda i: jax.random.fold_in(base_key, i), signature="()->(k)")(
+            node_index(mixer.first_node(), shape[0] if shape else 1)),
+        message_bits=jnp.zeros(shape, float),
     )
     return state._replace(**follow_placement({"key": state.key, "message_bits": state.message_bits}, params))
 
@@ -189,10 +192,12 @@ def choco_sgd(
     del extra_args
     lr = start_step("gj.choco_sgd", mixer, params, learning_rate, state.count)
     half = jax.tree.map(lambda x, g: x - (lr * g).astype(x.dtype), params, grads)
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, state.count))(state.key)
+    keys = jnp.vectorize(lambda k: jax.random.fold_in(k, state.count), signature="(k)->(k)")(state.key)
+    node_map = lambda fn: on_nodes(fn, backend)
     diff = jax.tree.map(lambda h, p: h - p, half, state.public)
     treedef = jax.tree.structure(diff)
-    like = tuple((tuple(x.shape[1:]), jnp.dtype(x.dtype)) for x in jax.tree.leaves(diff))
+    first = 0 if mapping() is not None else 1  # one node's shape: without the stacked node axis
+    like = tuple((tuple(x.shape[first:]), jnp.dtype(x.dtype)) for x in jax.tree.leaves(diff))
     # What node i sends is the compact form of C(diff_i); it updates its own public copy with
     # the same decoded message its neighbours receive.
     compact = node_map(contraction.encode)(diff, keys)

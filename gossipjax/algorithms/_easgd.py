@@ -13,6 +13,7 @@ from jax.typing import DTypeLike
 from gossipjax._validation import check_in_range, check_learning_rate, check_period, require_node_axis, require_params
 from gossipjax.algorithms._common import check_state_dtype, copy_of, in_state_dtype, is_abstract, learning_rate_at
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
+from gossipjax.mixing._named import node_average
 from gossipjax.mixing._contract import next_count
 
 
@@ -108,7 +109,7 @@ def easgd(
     require_node_axis(params, "gj.easgd")
     if is_abstract(params):
       return EASGDState(count=jnp.zeros([], jnp.int32), center=copy_of(params, state_dtype))
-    return EASGDState(count=jnp.zeros([], jnp.int32), center=backend.mean(wide(params)))
+    return EASGDState(count=jnp.zeros([], jnp.int32), center=node_average(backend, wide(params), "gj.easgd"))
 
   def update_fn(updates, state, params=None, **extra_args):
     grads = updates  # optax's name for the incoming tree; these methods take gradients
@@ -120,7 +121,7 @@ def easgd(
 
     def elastic(sgd):
       updates = jax.tree.map(lambda u, x, c: (u - alpha * (x - c)).astype(x.dtype), sgd, params, state.center)
-      mean = backend.mean(wide(params))
+      mean = node_average(backend, wide(params), "gj.easgd")
       center = jax.tree.map(lambda c, m: (c + center_rate * (m - c)).astype(c.dtype), state.center, mean)
       return updates, center
 

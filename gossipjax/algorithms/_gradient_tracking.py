@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 from jax.typing import DTypeLike
 
-from gossipjax._transform import NodeTransformation
 from gossipjax._validation import check_learning_rate, check_node_axis
 from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
@@ -101,7 +100,7 @@ def gradient_tracker(
     *,
     backend: Backend | None = None,
     state_dtype: DTypeLike | None = None,
-) -> NodeTransformation:
+) -> optax.GradientTransformationExtraArgs:
   r"""Replaces each node's gradient by its gradient tracker, for any local optimizer to follow.
 
   The tracking half of gradient tracking as a transform of its own: node i's incoming
@@ -133,7 +132,7 @@ def gradient_tracker(
       leaves in the gradients' dtype.
 
   Returns:
-    A `gj.NodeTransformation` (``gj.chain`` leaves it as it is) whose state is a
+    An optax transform (on stacked trees, or for one node inside ``gj.chain``) whose state is a
     `GradientTrackingState`; its ``update`` does not need ``params``. Non-float leaves
     pass through untracked.
 

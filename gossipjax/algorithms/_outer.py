@@ -17,6 +17,7 @@ from gossipjax._nodes import per_node
 from gossipjax._validation import check_in_range, check_node_axis, check_period, require_params
 from gossipjax.algorithms._common import check_state_dtype, copy_of
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
+from gossipjax.mixing._named import node_average
 from gossipjax.topology import as_topology
 from gossipjax.mixing._contract import next_count
 
@@ -176,7 +177,7 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
 
   def combined(theta, outer_round):
     if mixer is None:
-      return backend.mean(theta)
+      return node_average(backend, theta, name)
     return mixer.mix(theta, outer_round)
 
   def update_fn(updates, state, params=None, skip_nodes: SkipNodes | None = None, **extra_args):

@@ -11,6 +11,7 @@ from jax import lax
 
 from gossipjax._validation import check_period, require_node_axis, require_params
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
+from gossipjax.mixing._named import node_average
 from gossipjax.mixing._contract import next_count
 
 
@@ -80,7 +81,7 @@ def periodic_average(every: int, *, backend: Backend | None = None) -> optax.Gra
     updates = jax.tree.map(lambda u, x: u.astype(x.dtype), updates, params)
 
     def average(updates):
-      new = backend.mean(jax.tree.map(lambda x, u: x + u, params, updates))
+      new = node_average(backend, jax.tree.map(lambda x, u: x + u, params, updates), "gj.periodic_average")
       return jax.tree.map(lambda m, x: (m - x).astype(x.dtype), new, params)
 
     new_updates = lax.cond(state.count % period == period - 1, average, lambda u: u, updates)

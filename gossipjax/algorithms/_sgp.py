@@ -12,6 +12,7 @@ from jax.typing import DTypeLike
 from gossipjax._validation import check_learning_rate, check_momentum
 from gossipjax.algorithms._common import check_state_dtype, in_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, make_mixer
+from gossipjax.mixing._named import node_shape
 from gossipjax.mixing._contract import next_count
 
 
@@ -103,7 +104,7 @@ def sgp(
     dtype = state_dtype or jnp.result_type(*[x.dtype for x in leaves])
     return SGPState(
         count=jnp.zeros([], jnp.int32),
-        push_weight=follow_placement(jnp.ones(leaves[0].shape[:1], dtype), params),
+        push_weight=follow_placement(jnp.ones(node_shape(params), dtype), params),
         momentum=optax.tree.zeros_like(params, state_dtype),
     )
 

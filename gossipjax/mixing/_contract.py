@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax._transform import NodeTransformation
 from gossipjax.backend import Backend, Mixer, simulate
 from gossipjax.backend._base import current
+from gossipjax.mixing._named import NodeMixer
 from gossipjax.topology import as_topology
 from gossipjax.topology._topology import Stochasticity
 
@@ -54,7 +54,7 @@ def resolve_backend(backend: Backend | None) -> Backend:
 
 
 def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stochasticity = "doubly", *,
-               name: str | None = None) -> Mixer:
+               name: str | None = None) -> NodeMixer:
   """Validates the topology for what the algorithm needs and builds the backend's mixer.
 
   How an algorithm gets its gossip step: it calls ``make_mixer`` once, when the transform
@@ -69,7 +69,9 @@ def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stocha
       starts with it, as the library's own transforms' do.
 
   Returns:
-    The backend's `Mixer` for the validated topology.
+    The backend's `Mixer` for the validated topology, as a `NodeMixer`: on stacked trees its
+    ``mix`` is the backend's; inside ``gj.nodes`` (one node) it is a collective over the
+    axis ``"nodes"`` that the same stacked mixer implements.
 
   Raises:
     ValueError: the topology is not ``stochastic`` as asked, or not connected.
@@ -88,7 +90,8 @@ def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stocha
     if name is None:
       raise
     raise type(e)(f"{name}: {e}") from e
-  return resolve_backend(backend).mixer(topo)
+  backend = resolve_backend(backend)
+  return NodeMixer(backend.mixer(topo), backend, name or "gj.mixing.make_mixer")
 
 
 def _is_float(leaf: Any) -> bool:
@@ -96,7 +99,8 @@ def _is_float(leaf: Any) -> bool:
   return dtype is None or jnp.issubdtype(dtype, jnp.inexact)
 
 
-def float_leaves_only(tx: optax.GradientTransformation, keep_other_updates: bool = False) -> NodeTransformation:
+def float_leaves_only(tx: optax.GradientTransformation,
+                      keep_other_updates: bool = False) -> optax.GradientTransformationExtraArgs:
   """``tx`` on the floating-point leaves of the params; integer, bool and PRNG-key leaves are left alone.
 
   Such a leaf (a step counter, a flax RNG count) is not a quantity to average: gossip
@@ -147,4 +151,4 @@ def float_leaves_only(tx: optax.GradientTransformation, keep_other_updates: bool
 
     return jax.tree.map(fill, like, new, updates), state
 
-  return NodeTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -97,8 +97,19 @@ class Placement:
     return jax.tree.map(jnp.asarray, self.local(tree))
 
   def like(self, tree: Any, fresh: Any) -> Any:
-    """``tree`` (e.g. restored from a checkpoint) placed as ``fresh`` is, leaf by leaf."""
-    return jax.tree.map(lambda x, f: jax.device_put(np.asarray(x), f.sharding), tree, fresh)
+    """``tree`` (e.g. restored from a checkpoint) placed as ``fresh`` is, leaf by leaf.
+
+    A leaf of ``fresh`` that no computation has pinned to its device (a scalar counter made
+    by ``jnp.zeros``) stays free: pinned to that one device, it could not join the params
+    sharded over several devices in the jitted step.
+    """
+
+    def put(x, f):
+      if isinstance(f, jax.Array) and not f.committed:
+        return x if isinstance(x, jax.Array) and not x.committed else jnp.asarray(x, f.dtype)
+      return jax.device_put(x if isinstance(x, jax.Array) else np.asarray(x), f.sharding)
+
+    return jax.tree.map(put, tree, fresh)
 
   def gather(self, tree: Any) -> Any:
     """Every node's values, in node order, on every process (MPI: an all-gather of the blocks)."""

@@ -1,0 +1,180 @@
+"""Collectives over the named node axis, implemented by the stacked kernels.
+
+Inside `gj.nodes` a transform sees one node; its gossip round and its all-reduce mean are
+collectives over the axis ``"nodes"``. Each is a ``jax.custom_batching.custom_vmap`` whose
+batching rule receives the node-stacked values and calls the backend's stacked mixer or mean
+(the circulant rolls, sparse plans, step tables, buckets and compact wire stay the
+implementation), so the named form costs what the stacked call costs. The same functions
+called on stacked trees, outside any mapping, call the stacked kernels directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_batching import custom_vmap
+
+from gossipjax._axis import AXIS, Mapping, mapped, mapping
+from gossipjax.backend._base import Mixer
+from gossipjax.backend._blocks import Wire
+from gossipjax.topology import Topology
+
+
+def _stacked(x: Any, batched: bool, size: int) -> Any:
+  return x if batched else jnp.broadcast_to(x, (size,) + jnp.shape(x))
+
+
+def _shared(x: Any, batched: bool) -> Any:
+  """A value every node holds alike (a step count), from its stacked or shared form."""
+  return x[0] if batched else x
+
+
+def _witness() -> jax.Array:
+  # Varies over the node axis, so a collective's batching rule runs at the mapping's level
+  # even when every other argument is the same on every node.
+  return lax.axis_index(AXIS)
+
+
+def check_same_backend(current: Mapping, backend: Any, name: str) -> None:
+  """Refuses a transform built for one backend inside a mapping on another."""
+  if backend is current.backend or backend == current.backend:
+    return
+  raise ValueError(f"{name} was built for backend {backend!r} but runs inside {current.where} on "
+                   f"{current.backend!r}: build every transform of one optimizer with the same backend "
+                   "(e.g. inside one `with gj.backend.use(b):` block)")
+
+
+def varies_over_nodes(tree: Any) -> list[bool]:
+  """For each leaf of ``tree``, whether it differs from node to node (at trace time).
+
+  Inside `gj.nodes` a per-node value (a moment, a tracker) varies over the node axis and a
+  shared one (a step count, a hyperparameter) does not: what a leading node axis says of a
+  stacked leaf, this says of one node's leaf. Outside a mapping every leaf counts as shared.
+  """
+  leaves = jax.tree.leaves(tree)
+  if mapping() is None or not leaves:
+    return [False] * len(leaves)
+  flags: list[bool] = []
+
+  @custom_vmap
+  def probe(leaves, witness):
+    del witness
+    return leaves
+
+  @probe.def_vmap
+  def rule(axis_size, in_batched, leaves, witness):
+    del axis_size, witness
+    if not flags:  # the first rule to run is the node axis's, the innermost mapping
+      flags.extend(bool(b) for b in in_batched[0])
+    return leaves, in_batched[0]
+
+  probe(leaves, _witness())
+  return flags
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NodeMixer:
+  """A backend's mixer that also runs inside `gj.nodes`, where it is a collective over ``"nodes"``.
+
+  On stacked trees ``mix`` is the backend's mixer as it is. For one node (inside a mapping)
+  ``mix(tree, step)`` returns ``sum_j W(step)[i, j] x_j`` for this node i: a
+  ``custom_vmap`` whose batching rule hands the node-stacked tree to the same mixer.
+
+  Attributes:
+    stacked: the backend's `Mixer`.
+    backend: the backend it was built for.
+    name: the public name of the transform that built it, for errors.
+  """
+
+  stacked: Mixer
+  backend: Any
+  name: str
+
+  @property
+  def topology(self) -> Topology:
+    return self.stacked.topology
+
+  @property
+  def local_nodes(self) -> int:
+    return self.stacked.local_nodes
+
+  def first_node(self) -> jax.Array | int:
+    return self.stacked.first_node()
+
+  def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
+    current = mapping()
+    if current is None:
+      return self.stacked.mix(tree, step, wire)
+    check_same_backend(current, self.backend, self.name)
+    stacked = self.stacked
+    parts = None if wire is None else wire.parts
+    context = None if wire is None else wire.context
+
+    @custom_vmap
+    def gossip(tree, step, parts, context, witness):
+      del step, parts, context, witness
+      return tree  # the shape only: under the mapping the rule below runs instead
+
+    @gossip.def_vmap
+    def rule(axis_size, in_batched, tree, step, parts, context, witness):
+      del witness
+      b_tree, b_step, b_parts, b_context, _ = in_batched
+      tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, b_tree)
+      step = _shared(step, b_step)
+      with mapped(None):
+        if wire is None:
+          out = stacked.mix(tree, step)
+        else:
+          parts = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), parts, b_parts)
+          context = jax.tree.map(_shared, context, b_context)
+          out = stacked.mix(tree, step, Wire(parts, wire.decode, context))
+      return out, jax.tree.map(lambda _: True, out)
+
+    return gossip(tree, jnp.asarray(step), parts, context, _witness())
+
+
+def node_average(backend: Any, tree: Any, name: str) -> Any:
+  """Every node gets the mean over all nodes: ``backend.mean`` on stacked trees, a collective inside a mapping."""
+  current = mapping()
+  if current is None:
+    return backend.mean(tree)
+  check_same_backend(current, backend, name)
+
+  @custom_vmap
+  def average(tree, witness):
+    del witness
+    return tree
+
+  @average.def_vmap
+  def rule(axis_size, in_batched, tree, witness):
+    del witness
+    tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, in_batched[0])
+    with mapped(None):
+      out = backend.mean(tree)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return average(tree, _witness())
+
+
+def node_index(first_node: jax.Array | int, num_nodes: int) -> jax.Array:
+  """The global index of each node: ``first_node + arange(n)`` stacked, this node's inside a mapping."""
+  if mapping() is None:
+    return first_node + jnp.arange(num_nodes)
+  return first_node + lax.axis_index(AXIS)
+
+
+def node_shape(tree: Any) -> tuple[int, ...]:
+  """The shape of a per-node scalar in the state: ``(n,)`` on stacked trees, ``()`` for one node."""
+  if mapping() is not None:
+    return ()
+  leaves = jax.tree.leaves(tree)
+  return tuple(jnp.shape(leaves[0])[:1]) if leaves else ()
+
+
+def on_nodes(fn: Callable[..., Any], backend: Any) -> Callable[..., Any]:
+  """``fn`` for each node: ``backend.map(fn)`` on stacked trees, ``fn`` itself for one node."""
+  return fn if mapping() is not None else backend.map(fn)
