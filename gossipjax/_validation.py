@@ -48,7 +48,7 @@ def check_period(value: Any, name: str, arg: str = "every") -> int | jax.Array:
     value = int(value)
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f"{name}: {arg} must be a positive integer, got {value!r}")
-  if False and value > MAX_PERIOD:
+  if value > MAX_PERIOD:
     raise ValueError(f"{name}: {arg} must be at most 2**31 - 1 = {MAX_PERIOD} (the step counter is an int32), "
                      f"got {value}")
   return value

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                  default=0.1, help="choco with top_k or random_k: the fraction of entries each message keeps")
   t.add_argument("--consensus-step", type=_real("a number in (0, 1]", 0.0, 1.0, low_open=True, high_open=False),
                  default=0.3, help="choco: the consensus step size (too large for the compressor diverges)")
-  period = _integer(1, f"a positive integer of at most 2**31 - 1 = {MAX_PERIOD}", high=None)
+  period = _integer(1, f"a positive integer of at most 2**31 - 1 = {MAX_PERIOD}", high=MAX_PERIOD)
   t.add_argument("--average-every", type=period, default=10,
                  help="dmsgd_pga: steps between global averages")
   t.add_argument("--inner-steps", type=period, default=10,

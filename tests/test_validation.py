@@ -166,6 +166,22 @@ def test_errors_start_with_the_public_name(make, match):
     make()
 
 
+@pytest.mark.parametrize("make, name", [
+    (lambda p: gj.diloco(optax.sgd(0.1), inner_steps=p), r"gj\.diloco: inner_steps"),
+    (lambda p: gj.mix(RING, every=p), r"gj\.mix: every"),
+    (lambda p: gj.periodic_average(p), r"gj\.periodic_average: every"),
+    (lambda p: gj.easgd(learning_rate=0.1, every=p), r"gj\.easgd: every"),
+])
+def test_a_period_past_int32_is_refused_at_construction(make, name):
+  """The step counter is an int32: a period of 2**31 would raise OverflowError at the first step."""
+  for period in (2**31, np.int64(3_000_000_000)):
+    with pytest.raises(ValueError, match=f"^{name} must be at most 2\\*\\*31 - 1 = 2147483647"):
+      make(period)
+  x = jnp.ones((8, 2))
+  tx = make(2**31 - 1)
+  tx.update(x, tx.init(x), x)  # the largest period runs
+
+
 def _directed_graph():
   adjacency = np.zeros((6, 6), bool)
   adjacency[np.arange(6), (np.arange(6) + 1) % 6] = True  # a directed ring with two chords

@@ -50,6 +50,9 @@ BAD_OPTIONS = [
     (["--nodes", "2000"], "argument --nodes: 2000 nodes, but the digits' training set has 1347 samples"),
     (["--out", ""], "argument --out: give a folder, not an empty string"),
     (["--resume", "--overwrite"], "argument --overwrite: not with --resume"),
+    (["--average-every", "3000000000"], "argument --average-every: 3000000000 is out of range; it must be a positive "
+     "integer of at most 2**31 - 1"),
+    (["--inner-steps", str(2**31)], f"argument --inner-steps: {2**31} is out of range"),
 ]
 
 
