@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,9 +203,13 @@ def require_floating(dtype: Any, name: str, why: str) -> None:
                     "cast the leaf (e.g. x.astype(jnp.float32)) or send it with gj.compress.identity()")
 
 
-def check_fraction(fraction: Any, name: str) -> None:
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+def check_fraction(fraction: Any, name: str) -> float:
+  """``fraction`` as a Python float (a NumPy scalar too); ``ValueError`` unless it is in (0, 1]."""
+  if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, (int, float, np.integer, np.floating)) \
+      or not 0 < fraction <= 1:
     raise ValueError(f"{name}: fraction must be a number in (0, 1], got {fraction!r}")
+  # np.float32(0.1) is read as the 0.1 it prints as, not 0.10000000149..., which would keep an entry more.
+  return float(str(fraction)) if isinstance(fraction, np.floating) else float(fraction)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gossipjax.compress._base import Compressor, require_floating, wide_dtype
 
@@ -97,8 +98,10 @@ class QSGD(Compressor):
   _name: ClassVar[str] = "gj.compress.qsgd"
 
   def __post_init__(self):
-    if (isinstance(self.levels, bool) or not isinstance(self.levels, int) or not 1 <= self.levels < 2**31):
+    if (isinstance(self.levels, (bool, np.bool_)) or not isinstance(self.levels, (int, np.integer))
+        or not 1 <= self.levels < 2**31):
       raise ValueError(f"{self._name}: levels must be a positive integer below 2**31, got {self.levels!r}")
+    object.__setattr__(self, "levels", int(self.levels))  # a NumPy integer too, stored as a Python int
 
   @property
   def unbiased(self) -> bool:  # type: ignore[override]

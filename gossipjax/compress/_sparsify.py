@@ -49,7 +49,7 @@ class TopK(Compressor):
   _name: ClassVar[str] = "gj.compress.top_k"
 
   def __post_init__(self):
-    check_fraction(self.fraction, self._name)
+    object.__setattr__(self, "fraction", check_fraction(self.fraction, self._name))
 
   def _top(self, x):
     flat = x.ravel()
@@ -141,7 +141,7 @@ class RandomK(Compressor):
   _name: ClassVar[str] = "gj.compress.random_k"
 
   def __post_init__(self):
-    check_fraction(self.fraction, self._name)
+    object.__setattr__(self, "fraction", check_fraction(self.fraction, self._name))
 
   @property
   def unbiased(self) -> bool:  # type: ignore[override]

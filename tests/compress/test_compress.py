@@ -125,6 +125,18 @@ def test_compressors_are_static_data_and_validate():
     gj.choco_sgd(T.ring(N), C.sign(), learning_rate=0.1, consensus_step=0.0)
 
 
+def test_numpy_scalars_are_accepted_as_every_other_hyperparameter():
+  assert C.top_k(np.float32(0.1)) == C.top_k(0.1)  # read as the 0.1 it prints as: 1 entry of 10 kept, not 2
+  assert C.random_k(np.float64(0.25), scaled=False) == C.random_k(0.25, scaled=False)
+  assert C.qsgd(np.int64(4)) == C.qsgd(4) and type(C.qsgd(np.int32(4)).levels) is int
+  assert float(C.top_k(np.float32(0.1)).bits(jnp.zeros(10, jnp.float32))) == 32 + 8
+  for bad in (np.True_, np.float32(1.5), np.float64("nan")):
+    with pytest.raises(ValueError, match="fraction must be a number in"):
+      C.top_k(bad)
+  with pytest.raises(ValueError, match="levels must be a positive integer"):
+    C.qsgd(np.int64(0))
+
+
 # ---------------------------------------------------------------- CHOCO-SGD
 
 
