@@ -378,7 +378,8 @@ def hierarchical(devices_per_node: int, *, devices: Any = None, axis: str = "nod
     A `Sharded` backend over the two-level mesh.
 
   Raises:
-    ValueError: ``devices_per_node`` is not a positive divisor of the number of devices.
+    ValueError: ``devices_per_node`` is not a positive divisor of the number of devices, or
+      ``devices`` lists a device twice.
 
   Example:
     >>> import jax, gossipjax as gj
@@ -391,6 +392,9 @@ def hierarchical(devices_per_node: int, *, devices: Any = None, axis: str = "nod
       devices_per_node < 1 or len(devices) % devices_per_node:
     raise ValueError(f"gj.backend.hierarchical: devices_per_node must be a positive divisor of the {len(devices)} "
                      f"devices, got {devices_per_node!r}")
+  repeated = next((d for i, d in enumerate(devices) if d in devices[:i]), None)
+  if repeated is not None:
+    raise ValueError(f"gj.backend.hierarchical: devices lists {repeated} more than once; give each device once")
   auto = jax.sharding.AxisType.Auto
   mesh = Mesh(np.asarray(devices).reshape(len(devices) // devices_per_node, devices_per_node), (axis, data_axis),
               axis_types=(auto, auto))

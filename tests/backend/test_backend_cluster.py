@@ -336,5 +336,8 @@ def test_layouts_a_node_axis_cannot_take_are_refused():
     mixer.mix({"w": split}, 0)
   with pytest.raises(ValueError, match=r"^gj\.backend\.hierarchical: devices_per_node must be a positive divisor"):
     gj.backend.hierarchical(3)
+  d = jax.devices()
+  with pytest.raises(ValueError, match=rf"^gj\.backend\.hierarchical: devices lists {d[0]} more than once"):
+    gj.backend.hierarchical(2, devices=[d[0], d[0], d[1], d[1]])
   with pytest.raises(ValueError, match=r"^gj\.backend\.hierarchical: a batch of shape \(4, 7, 5\) cannot be split"):
     gj.backend.hierarchical(2).shard_batch(np.ones((4, 7, 5)))
