@@ -174,8 +174,10 @@ def partition_by_class(labels: np.ndarray, num_nodes: int, classes_per_node: int
   """
   labels = _class_labels(_check(labels, num_nodes, "gj.data.partition_by_class"), "gj.data.partition_by_class")
   classes = np.random.default_rng(seed).permutation(np.unique(labels))
-  if not 1 <= classes_per_node <= len(classes):
-    raise ValueError(f"gj.data.partition_by_class: classes_per_node must be in [1, {len(classes)}], got {classes_per_node}")
+  if isinstance(classes_per_node, bool) or not isinstance(classes_per_node, (int, np.integer)) or \
+      not 1 <= classes_per_node <= len(classes):
+    raise ValueError(f"gj.data.partition_by_class: classes_per_node must be an integer in [1, {len(classes)}], "
+                     f"got {classes_per_node!r}")
   owners: dict[int, list[int]] = {int(c): [] for c in classes}
   for node in range(num_nodes):
     for k in range(classes_per_node):

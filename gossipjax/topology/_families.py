@@ -543,6 +543,7 @@ def from_networkx(graph: Any, weights: Weights = "uniform") -> Topology:
 
   Raises:
     ValueError: the graph has no node.
+    TypeError: the node names cannot be sorted (e.g. strings and integers).
 
   Example:
     >>> import networkx as nx
@@ -554,7 +555,13 @@ def from_networkx(graph: Any, weights: Weights = "uniform") -> Topology:
   """
   import networkx as nx
 
-  nodes = sorted(graph.nodes)
+  try:
+    nodes = sorted(graph.nodes)
+  except TypeError:
+    kinds = sorted({type(v).__name__ for v in graph.nodes})
+    raise TypeError(f"gj.topology.from_networkx: the graph's node names cannot be sorted (they mix {', '.join(kinds)}), "
+                    "and nodes are numbered in sorted order; relabel them first, e.g. "
+                    "nx.convert_node_labels_to_integers(graph)") from None
   if not nodes:
     raise ValueError("gj.topology.from_networkx: the graph has no node; a topology needs at least one")
   # typeshed's networkx stub types weight as str; None (every edge weighs 1) is networkx's documented use.

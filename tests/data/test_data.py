@@ -76,6 +76,10 @@ def test_partition_errors():
     D.partition_dirichlet(LABELS, 4, 0.0)
   with pytest.raises(ValueError, match="classes_per_node"):
     D.partition_by_class(LABELS, 4, classes_per_node=11)
+  for bad in (2.5, "2", True):
+    with pytest.raises(ValueError, match=r"^gj\.data\.partition_by_class: classes_per_node must be an integer in"):
+      D.partition_by_class(LABELS, 4, bad)
+  assert len(D.partition_by_class(LABELS, 4, np.int64(2))) == 4
   with pytest.raises(ValueError, match="no data"):
     D.node_data(np.zeros((3, 2)), np.zeros(3), [np.array([0]), np.array([], int)])
 

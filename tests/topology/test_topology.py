@@ -111,6 +111,9 @@ def test_matrices_of_different_sizes_and_empty_graphs_are_named():
     T.from_matrix([[1.0], [0.5, 0.5]])
   with pytest.raises(ValueError, match="from_networkx: the graph has no node"):
     T.from_networkx(nx.Graph())
+  with pytest.raises(TypeError, match=r"^gj\.topology\.from_networkx: the graph's node names cannot be sorted "
+                                      r"\(they mix int, str\).*convert_node_labels_to_integers"):
+    T.from_networkx(nx.Graph([("a", 1), (1, 2)]))
 
 
 def test_bad_sizes_raise():
