@@ -125,9 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--out", default=None,
                  help="the job's folder: metrics.json, plot.png, job.json and checkpoints/ (default: a fresh folder "
                       f"{DEFAULT_ROOT}/<date>_<time> for every run). One job at a time holds it; a new job is "
-                      "refused where another job's files are, unless --overwrite or --resume")
+                      "refused where another job's files are, unless --overwrite or --resume, and where files are "
+                      "that no job recorded writing (job.json records a job's paths, and job.log its details)")
   t.add_argument("--overwrite", action="store_true",
-                 help="a new job into an --out that holds another job's files: remove those files first")
+                 help="a new job into an --out that holds another job's files: remove what that job recorded "
+                      "writing first, nothing else")
   t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   t.add_argument("--checkpoint-every", type=_integer(0, "a non-negative integer"), default=0,
                  help="save each run's full state in OUT/checkpoints every this many steps (a multiple of "
@@ -176,6 +178,8 @@ def _claim_out(args: argparse.Namespace, folder) -> None:
   """Takes the output folder for this job; refuses another job's folder, or a --resume with other options."""
   from gossipjax.train._job import UsageError
 
+  if not args.resume:
+    _refuse_foreign(args, folder)  # before the claim: a folder of the user's own gets no job.lock either
   folder.claim()
   if args.resume:
     then, now = folder.read_options(), _resume_options(args)
@@ -186,16 +190,31 @@ def _claim_out(args: argparse.Namespace, folder) -> None:
       asked = ", ".join(f"--{k.replace('_', '-')} {show(now[k])}" for k in differ)
       raise UsageError(f"argument --resume: the job in {args.out} was started with {was}, not {asked}; "
                        "pass the same options, or add --allow-changed-options to continue anyway")
-  elif folder.outputs() and not args.overwrite:
-    raise UsageError(f"argument --out: {args.out} holds another job's {', '.join(folder.outputs())}; continue that "
-                     "job with --resume, choose another --out, or add --overwrite to remove them")
+  else:
+    _refuse_foreign(args, folder)
+    if folder.outputs() and not args.overwrite:
+      raise UsageError(f"argument --out: {args.out} holds another job's {', '.join(folder.outputs())}; continue "
+                       "that job with --resume, choose another --out, or add --overwrite to remove them")
 
 
-def _start_job(args: argparse.Namespace, folder) -> None:
-  """Once every check has passed: clears the folder when asked to, and records the job's options."""
+def _refuse_foreign(args: argparse.Namespace, folder) -> None:
+  """A new job writes only into a folder of jobs' files: --overwrite removes what job.json records, nothing else."""
+  from gossipjax.train._job import UsageError
+
+  foreign = folder.foreign()
+  if foreign:
+    shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+    raise UsageError(f"argument --out: {args.out} holds {shown}, which no gossipjax job recorded writing; choose "
+                     "a new or empty --out (a job's folder holds that job's files only)")
+
+
+def _start_job(args: argparse.Namespace, folder, runs) -> None:
+  """Once every check has passed: clears the folder when asked to, and records the job's options and paths."""
+  from gossipjax.train._job import JOB_FILES, run_folder
+
   if args.overwrite:
     folder.clear()
-  folder.write_options(_resume_options(args))
+  folder.write_options(_resume_options(args), list(JOB_FILES) + [run_folder(c.name) for c in runs])
 
 
 def _on_main(placement, comm, fn: Callable[[], Any]) -> Any:
@@ -257,7 +276,7 @@ def train(args: argparse.Namespace) -> dict:
   """
   from gossipjax.backend import Mpi
   from gossipjax.data import load_digits
-  from gossipjax.train._job import OutputFolder, fresh_folder
+  from gossipjax.train._job import JobLog, OutputFolder, fresh_folder
   from gossipjax.train._placement import Placement
 
   _check_args(args)
@@ -280,9 +299,14 @@ def train(args: argparse.Namespace) -> dict:
   try:
     _on_main(placement, comm, lambda: _claim_out(args, folder))
     runs, txs, skipped = _build_runs(args, backend)
-    _on_main(placement, comm, lambda: _start_job(args, folder))
+    _on_main(placement, comm, lambda: _start_job(args, folder, runs))
     started = True
-    return _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped)
+    log = JobLog(args.out)
+    try:
+      with log:
+        return _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped)
+    finally:
+      args.log_file = log.path if log.records else None
   finally:
     folder.release()
     if fresh and not started and placement.is_main:  # a fresh folder of a job that never began
@@ -331,7 +355,7 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
 
   from gossipjax.checkpoint import rank_directory
   from gossipjax.train import CNN, MLP, init_state, plot, result_table, timed_run, write_metrics
-  from gossipjax.train._job import JobError, RunCheckpoints, UsageError
+  from gossipjax.train._job import JobError, RunCheckpoints, UsageError, run_folder
 
   if args.model == "cnn":
     model = CNN(num_classes=dataset.num_classes, image_shape=(8, 8, 1))
@@ -342,7 +366,7 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
   with tqdm(total=sum(c.steps for c in runs), unit="step", disable=quiet, file=sys.stderr) as bar:
     for cfg, tx in zip(runs, txs):
       bar.set_description(cfg.name)
-      directory = os.path.join(args.out, "checkpoints", cfg.name.replace("/", "__"))
+      directory = os.path.join(args.out, *run_folder(cfg.name).split("/"))
       if comm is not None:  # each rank checkpoints its own block of nodes
         directory = str(rank_directory(directory, backend.rank))
       ckpt = RunCheckpoints(directory, args.checkpoint_every, placement, cfg.name, comm, placement.is_main)
@@ -415,12 +439,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except UsageError as e:
       _fail(e, 2)
     except (JobError, CorruptCheckpointError, OSError) as e:
-      _fail(e, 1)
+      _fail(e, 1, getattr(args, "log_file", None))
 
 
-def _fail(error: Exception, status: int) -> None:
+def _fail(error: Exception, status: int, log_file: str | None = None) -> None:
   if not getattr(error, "quiet", False):
-    sys.stderr.write(f"gossipjax train: error: {error}\n")
+    details = f" (details in {log_file})" if log_file else ""
+    sys.stderr.write(f"gossipjax train: error: {error}{details}\n")
     sys.stderr.flush()
   sys.exit(status)  # through sys.exit, which an MPI job's exit hook watches (gj.backend.mpi_abort_on_error)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import shutil
 import socket
@@ -27,10 +28,19 @@ try:
 except ImportError:  # Windows: no lock, the folder checks still apply
   fcntl = None
 
-#: What a job writes into its output folder; ``--overwrite`` removes these and nothing else.
-JOB_FILES = ("job.json", "metrics.json", "plot.png", "checkpoints")
+#: What a job writes into its output folder besides each run's `run_folder`. ``job.json`` records every
+#: path the job writes, and ``--overwrite`` removes those and nothing else.
+JOB_FILES = ("job.json", "job.log", "metrics.json", "plot.png")
+#: What a job of an earlier version wrote; its ``job.json`` records no paths.
+EARLIER_JOB_FILES = ("job.json", "metrics.json", "plot.png", "checkpoints")
 LOCK = "job.lock"
+LOG = "job.log"
 HISTORY = "history.json"
+
+
+def run_folder(run: str) -> str:
+  """The folder of a run's checkpoints, relative to the output folder (``/``-separated, as job.json records it)."""
+  return "checkpoints/" + run.replace("/", "__")
 
 
 class UsageError(Exception):
@@ -98,18 +108,65 @@ class OutputFolder:
       os.close(self._fd)
       self._fd = None
 
+  def recorded(self) -> list[str] | None:
+    """The paths that the folder's job recorded in job.json as its own; ``None`` without such a record.
+
+    A job.json of an earlier version, which records no paths, stands for `EARLIER_JOB_FILES`.
+    """
+    try:
+      with open(os.path.join(self.path, "job.json")) as f:
+        options = json.load(f)
+    except (OSError, ValueError):
+      return None
+    if not isinstance(options, dict):
+      return None
+    files = options.get("files")
+    if isinstance(files, list) and all(isinstance(p, str) and p and ".." not in p.split("/") for p in files):
+      return files
+    if files is None and {"algorithms", "topologies", "nodes"} <= options.keys():
+      return list(EARLIER_JOB_FILES)
+    return None
+
   def outputs(self) -> list[str]:
-    """The job files the folder holds (another job's, for a fresh run)."""
-    return [name for name in JOB_FILES if os.path.lexists(os.path.join(self.path, name))]
+    """The recorded paths of the folder's job that exist (another job's, for a fresh run)."""
+    return [p for p in self.recorded() or [] if os.path.lexists(os.path.join(self.path, p))]
+
+  def foreign(self) -> list[str]:
+    """What the folder holds that no job recorded writing (its lock and the recorded paths' temporary files aside)."""
+    if not os.path.isdir(self.path):
+      return []
+    recorded = self.recorded() or []
+    ours = lambda rel: rel in recorded or any(rel.startswith(p + ".tmp") for p in recorded)
+    found: list[str] = []
+
+    def walk(rel: str) -> None:
+      for name in sorted(os.listdir(os.path.join(self.path, rel))):
+        child = f"{rel}/{name}" if rel else name
+        if child == LOCK or ours(child):
+          continue
+        if any(p.startswith(child + "/") for p in recorded) and os.path.isdir(os.path.join(self.path, child)):
+          walk(child)  # a folder (checkpoints/) that holds recorded paths: what else is in it?
+        else:
+          found.append(child)
+
+    walk("")
+    return found
 
   def clear(self) -> None:
-    """Removes the job files (`JOB_FILES`); anything else in the folder stays."""
-    for name in self.outputs():
-      path = os.path.join(self.path, name)
-      if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-      else:
-        os.remove(path)
+    """Removes what the folder's job recorded writing, and the folders left empty; nothing else."""
+    recorded = self.recorded() or []
+    for rel in recorded:
+      folder, name = os.path.split(os.path.join(self.path, *rel.split("/")))
+      for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if entry == name or entry.startswith(name + ".tmp"):
+          path = os.path.join(folder, entry)
+          if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+          else:
+            os.remove(path)
+    for rel in sorted({os.path.dirname(p) for p in recorded if "/" in p}, key=len, reverse=True):
+      with contextlib.suppress(OSError):
+        os.rmdir(os.path.join(self.path, *rel.split("/")))  # only where it is empty
 
   def read_options(self) -> dict[str, Any] | None:
     """The options recorded by the job that wrote the folder, or ``None``."""
@@ -120,11 +177,12 @@ class OutputFolder:
       with open(path) as f:
         return json.load(f)
     except ValueError as e:
-      raise JobError(f"{path} is unreadable ({e}): the folder's job cannot be checked; start again with "
-                     "--overwrite") from None
+      raise JobError(f"{path} is unreadable ({e}): the folder's job cannot be checked; choose another --out") from None
 
-  def write_options(self, options: dict[str, Any]) -> None:
-    write_json(os.path.join(self.path, "job.json"), options)
+  def write_options(self, options: dict[str, Any], files: list[str]) -> None:
+    """Records the job's options and every path it writes (with those an earlier job of the folder recorded)."""
+    files = sorted(set(self.recorded() or []) | set(files) | {"job.json"})
+    write_json(os.path.join(self.path, "job.json"), {**options, "files": files})
 
 
 def write_json(path: str, value: Any) -> None:
@@ -144,6 +202,57 @@ def write_json(path: str, value: Any) -> None:
     with contextlib.suppress(OSError):
       os.remove(tmp)
     raise
+
+
+class JobLog:
+  """While the job runs, the libraries' log records go to ``OUT/job.log``, not to the terminal.
+
+  orbax reports a failed background write (a full disk) through absl's logger, tracebacks
+  and all, before the save raises; the job then ends with one line that points here. A
+  failure with a cause, or after such records, adds its own traceback. Where the folder is
+  not on this host (another MPI host), the records stay where they were going.
+
+  Attributes:
+    path: the log file.
+    records: how many records this job wrote there.
+  """
+
+  LOGGERS = ("absl", "gossipjax.train")
+
+  def __init__(self, folder: str):
+    self.path = os.path.join(folder, LOG)
+    self.records = 0
+    self._handler: logging.Handler | None = None
+    self._saved: list[tuple[logging.Logger, bool]] = []
+
+  def _count(self, record: logging.LogRecord) -> bool:
+    del record
+    self.records += 1
+    return True
+
+  def __enter__(self) -> "JobLog":
+    if not os.path.isdir(os.path.dirname(self.path) or "."):
+      return self
+    self._handler = logging.FileHandler(self.path, delay=True)
+    self._handler.setFormatter(logging.Formatter("%(asctime)s pid %(process)d %(levelname)s %(name)s: %(message)s"))
+    self._handler.addFilter(self._count)
+    for name in self.LOGGERS:
+      logger = logging.getLogger(name)
+      self._saved.append((logger, logger.propagate))
+      logger.addHandler(self._handler)
+      logger.propagate = False
+    return self
+
+  def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+    if self._handler is None:
+      return
+    if isinstance(error, Exception) and (self.records or error.__cause__ is not None):
+      logging.getLogger("gossipjax.train").error("the job failed: %s", error, exc_info=(kind, error, tb))
+    for logger, propagate in self._saved:
+      logger.removeHandler(self._handler)
+      logger.propagate = propagate
+    self._handler.close()
+    self._handler, self._saved = None, []
 
 
 def warn(message: str) -> None:

@@ -45,14 +45,39 @@ def test_a_folder_in_use_is_refused_naming_its_holder(tmp_path, capsys, no_train
 
 def test_a_new_job_leaves_another_jobs_folder_alone_unless_told_to_overwrite(tmp_path, capsys, no_training):
   (tmp_path / "checkpoints" / "dmsgd__ring" / "20").mkdir(parents=True)
-  (tmp_path / "job.json").write_text(json.dumps({"lr": 0.5}))
-  (tmp_path / "notes.txt").write_text("mine")
+  # a job.json of an earlier version, which records no paths: it wrote job.json, metrics.json, plot.png, checkpoints/
+  (tmp_path / "job.json").write_text(json.dumps({"algorithms": ["dmsgd"], "topologies": ["ring"], "nodes": 4, "lr": 0.5}))
   err = _fails(TINY + ["--steps", "5", "--out", str(tmp_path)], capsys, 2)
   assert f"argument --out: {tmp_path} holds another job's job.json, checkpoints; continue that job with --resume" in err
   assert (tmp_path / "checkpoints" / "dmsgd__ring" / "20").is_dir()
   cli.main(TINY + ["--steps", "5", "--out", str(tmp_path), "--overwrite"])
-  assert not (tmp_path / "checkpoints").exists() and (tmp_path / "notes.txt").read_text() == "mine"
-  assert json.loads((tmp_path / "job.json").read_text())["lr"] == 0.1
+  assert not (tmp_path / "checkpoints").exists()
+  job = json.loads((tmp_path / "job.json").read_text())
+  assert job["lr"] == 0.1 and job["files"] == ["checkpoints/dpsgd__ring", "job.json", "job.log", "metrics.json",
+                                               "plot.png"]
+  # what this job recorded is all that a next --overwrite removes: a file of the user's beside it is refused
+  (tmp_path / "checkpoints" / "dpsgd__ring").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "mine.pt").write_text("mine")
+  err = _fails(TINY + ["--steps", "5", "--out", str(tmp_path), "--overwrite"], capsys, 2)
+  assert f"argument --out: {tmp_path} holds checkpoints/mine.pt, which no gossipjax job recorded writing" in err
+  assert (tmp_path / "checkpoints" / "mine.pt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]], ids=["new", "overwrite"])
+def test_a_folder_no_job_wrote_is_refused_and_left_as_it_was(tmp_path, capsys, no_training, overwrite):
+  (tmp_path / "checkpoints").mkdir()
+  (tmp_path / "checkpoints" / "model.pt").write_text("the user's own")
+  (tmp_path / "plot.png").write_text("the user's own too")
+  err = _fails(TINY + ["--steps", "5", "--out", str(tmp_path)] + overwrite, capsys, 2)
+  assert f"argument --out: {tmp_path} holds checkpoints, plot.png, which no gossipjax job recorded writing; " \
+         "choose a new or empty --out" in err
+  assert sorted(p.name for p in tmp_path.rglob("*")) == ["checkpoints", "model.pt", "plot.png"]  # not even job.lock
+  assert no_training == []
+  (tmp_path / "job.lock").write_text("the job of pid 1 on a host, started 2020-01-01 00:00:00\n")  # a killed job's
+  shutil.rmtree(tmp_path / "checkpoints")
+  (tmp_path / "plot.png").unlink()
+  cli.main(TINY + ["--steps", "5", "--out", str(tmp_path)] + overwrite)  # only a lock: clearly ours
+  assert no_training == [str(tmp_path)]
 
 
 def test_without_out_every_job_gets_a_fresh_folder(tmp_path, monkeypatch, capsys, no_training):
@@ -86,6 +111,37 @@ def _copy(checkpointed, tmp_path):
   out = tmp_path / "out"
   shutil.copytree(checkpointed[0], out)
   return out, out / "checkpoints" / "dpsgd__ring"
+
+
+def test_orbaxs_background_errors_go_to_the_jobs_log_and_the_terminal_gets_one_line(checkpointed, tmp_path, capsys,
+                                                                                    caplog, monkeypatch):
+  """A write that fails inside orbax's threads (here a file-size limit, as a full disk) logs tracebacks through absl."""
+  import resource
+  import signal
+
+  from gossipjax.checkpoint import _checkpoint
+
+  out, run = _copy(checkpointed, tmp_path)
+  write_step = _checkpoint._write_step
+
+  def small_files(*args):
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, limits[1]))  # orbax writes 62 kB, the log less
+    try:
+      return write_step(*args)
+    finally:
+      resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+      signal.signal(signal.SIGXFSZ, handler)
+
+  monkeypatch.setattr(_checkpoint, "_write_step", small_files)
+  capsys.readouterr()
+  err = _fails(TINY + ["--steps", "20", "--out", str(out), "--resume"], capsys, 1)
+  assert "dpsgd/ring: could not save the checkpoint of step 20" in err and f"(details in {out / 'job.log'})" in err
+  assert not [r for r in caplog.records if r.name == "absl"], "orbax's records reached the terminal"
+  log = (out / "job.log").read_text()
+  assert "Traceback" in log and "OUT_OF_RANGE" in log and "the job failed: dpsgd/ring" in log
+  assert "job.log" in json.loads((out / "job.json").read_text())["files"]
 
 
 def test_resume_skips_a_corrupt_newest_step_with_one_warning(checkpointed, tmp_path, capsys):
