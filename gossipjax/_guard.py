@@ -11,7 +11,6 @@ import optax
 
 from gossipjax._axis import mapping
 from gossipjax.backend._base import follow_placement
-from gossipjax.mixing._named import varies_over_nodes
 
 
 class GuardFiniteState(NamedTuple):
@@ -143,14 +142,14 @@ def _bad_nodes(tree: Any, n: int | None) -> jax.Array:
 def _keep_old_for_bad(new: Any, old: Any, bad: jax.Array, n: int | None) -> Any:
   """Per-node leaves (leading axis n, numeric) of bad nodes go back to their old values.
 
-  For one node (``n`` is ``None``) a per-node leaf is one that differs from node to node; a
-  value every node holds alike (a step count) advances.
+  For one node (``n`` is ``None``) its floating-point leaves are kept and its integer leaves
+  (step counts) advance.
   """
   if n is None:
-    per_node = iter([a or b for a, b in zip(varies_over_nodes(new), varies_over_nodes(old))])
-
+    # One node: its floating-point state (moments, trackers) is kept; integer state (step
+    # counts, which every node holds alike and which pick W(k)) advances.
     def pick_one(a, b):
-      keep = next(per_node) and not jnp.issubdtype(a.dtype, jax.dtypes.prng_key) and jnp.shape(a) == jnp.shape(b)
+      keep = jnp.issubdtype(a.dtype, jnp.inexact) and jnp.shape(a) == jnp.shape(b)
       return jnp.where(bad, b, a) if keep else a
 
     return jax.tree.map(pick_one, new, old)

@@ -340,6 +340,8 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
   inner = optax.with_extra_args_support(tx)
   mesh = _mesh_of(backend)
 
+  compiled: dict[Any, Any] = {}
+
   def run(fn, in_axes, out_axes, args, n):
     context = Mapping(backend, n, where)
 
@@ -347,20 +349,29 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
       with mapped(context):
         return fn(*a)
 
-    call = lambda *a: jax.vmap(one, in_axes=in_axes, out_axes=out_axes, axis_name=AXIS)(*a)
+    call = jax.vmap(one, in_axes=in_axes, out_axes=out_axes, axis_name=AXIS)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+      return call(*args)  # inside the caller's jit (or eval_shape): traced once with it
+    # Called eagerly: one compiled program per layout, not op by op at every call. On an
+    # Explicit mesh vmap's broadcasts of per-node values are placed through the mesh context.
+    is_axis = lambda a: a is None
+    flat = lambda axes: (tuple(jax.tree.leaves(axes, is_leaf=is_axis)), jax.tree.structure(axes, is_leaf=is_axis))
+    key = (fn, flat(in_axes), flat(out_axes), n)
+    jitted = compiled.get(key)
+    if jitted is None:
+      jitted = compiled[key] = jax.jit(call)
     if mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types:
-      # vmap's broadcasts of per-node values need the mesh to place them on an Explicit mesh.
       with jax.set_mesh(mesh):
-        return call(*args)
-    return call(*args)
+        return jitted(*args)
+    return jitted(*args)
 
-  def flags_of(fn, in_axes, args, n):
-    """Which outputs of ``fn`` vary over the nodes (traced once, abstractly)."""
+  def flags_of(fn, in_axes, args, n, part=lambda out: out):
+    """Which leaves of ``part(fn(...))`` vary over the nodes (traced once, abstractly)."""
     found: list[bool] = []
 
     def probe(*a):
       out = fn(*a)
-      found.extend(varies_over_nodes(out))
+      found.extend(varies_over_nodes(part(out)))
       return out
 
     jax.eval_shape(lambda *a: run(probe, in_axes, 0, a, n), *args)
@@ -408,14 +419,14 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
 
     return jax.tree_util.tree_map_with_path(axis, state, full)
 
+  def step(updates, state, params, extra):
+    return inner.update(updates, state, params, **extra)
+
   def _update_flags(updates, state, params, extra, n):
     axes_s = state_axes(state, updates if params is None else params, n)
     axes_e = jax.tree.map(lambda x: 0 if jnp.ndim(x) and jnp.shape(x)[0] == n else None, extra)
     in_axes = (0, axes_s, None if params is None else 0, axes_e)
-    step = lambda u, s, p, e: inner.update(u, s, p, **e)
-    flags = flags_of(step, in_axes, (updates, state, params, extra), n)
-    n_updates = len(jax.tree.leaves(updates))
-    return in_axes, flags[n_updates:]
+    return in_axes, flags_of(step, in_axes, (updates, state, params, extra), n, part=lambda out: out[1])
 
   def update_fn(updates, state, params=None, **extra_args):
     if mapping() is not None:
@@ -425,7 +436,6 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
     shared_in = [a is None for a in jax.tree.leaves(in_axes[1], is_leaf=lambda a: a is None)]
     out_state = [0 if f or not s else None for f, s in zip(flags, shared_in)]
     out_axes = (0, jax.tree.unflatten(jax.tree.structure(state), out_state))
-    step = lambda u, s, p, e: inner.update(u, s, p, **e)
     return run(step, in_axes, out_axes, (updates, state, params, extra_args), n)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
