@@ -130,10 +130,12 @@ def _write_api_pages(app, config):
 _LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")
 
 
-def _page_from(source, page, heading_offset=0):
+def _page_from(source, page, heading_offset=0, pages=None):
   """The Markdown of ``source`` as a page at ``page``: headings moved down ``heading_offset``
   levels, and relative links and images pointing at the files next to ``source`` (a file that
-  exists becomes a download link; a link to anything else becomes plain code text)."""
+  ``pages`` maps to its generated page links to that page; another file that exists becomes a
+  download link; a link to anything else becomes plain code text)."""
+  pages = pages or {}
   out, fenced = [], False
   for line in source.read_text().splitlines():
     if line.lstrip().startswith("```"):
@@ -147,6 +149,8 @@ def _page_from(source, page, heading_offset=0):
         if re.match(r"[a-z]+:|#", target):
           return m.group(0)
         path = (source.parent / target.split("#")[0]).resolve()
+        if path in pages:
+          return m.group(1) + os.path.relpath(pages[path], page.parent) + m.group(3)
         if path.is_file():
           return m.group(1) + os.path.relpath(path, page.parent) + m.group(3)
         return f"`{target}`" if not m.group(1).startswith("!") else ""
@@ -180,17 +184,32 @@ def _write_if_changed(path, text):
     path.write_text(text)
 
 
+def benchmark_pages():
+  """The benchmarks page from ``benchmarks/RESULTS.md`` and, each on a page of its own, the parts
+  with long tables that it links to: ``{page path: Markdown}``."""
+  out = DOCS / "results"
+  bench = out / "benchmarks.md"
+  parts = {(ROOT / "benchmarks" / "results" / f"{name}.md").resolve(): out / f"benchmarks_{name}.md"
+           for name in ("communication", "scale")}
+  links = {(ROOT / "benchmarks" / "RESULTS.md").resolve(): bench, **parts}
+  intro = ["# Benchmarks", "",
+           "`python -m benchmarks` runs the suite in `benchmarks/` (`--quick` for a smoke run, `--only NAME ...`",
+           "for a part of it) and writes its figures as JSON. `benchmarks/RESULTS.md`, shown below, holds the",
+           "latest figures with the machine and the conditions they were taken under.", "",
+           "```{toctree}", ":hidden:", ""] + [p.stem for p in parts.values()] + ["```", "", ""]
+  pages = {bench: "\n".join(intro) + _page_from(ROOT / "benchmarks" / "RESULTS.md", bench, 1, links)}
+  for source, page in parts.items():
+    pages[page] = _page_from(source, page, 0, links)
+  return pages
+
+
 def _write_result_pages(app, config):
   """Writes ``results/``: the benchmarks page from ``benchmarks/RESULTS.md``, and a gallery of
   every study in ``experiments/`` (its question, figures and main table) with one page per
   study holding its whole README. Generated at each build, so they show the current results."""
   out = DOCS / "results"
-  bench = out / "benchmarks.md"
-  intro = ["# Benchmarks", "",
-           "`python -m benchmarks` runs the suite in `benchmarks/` (`--quick` for a smoke run, `--only NAME ...`",
-           "for a part of it) and writes its figures as JSON. `benchmarks/RESULTS.md`, shown below, holds the",
-           "latest figures with the machine and the conditions they were taken under.", "", ""]
-  _write_if_changed(bench, "\n".join(intro) + _page_from(ROOT / "benchmarks" / "RESULTS.md", bench, 1))
+  for page, text in benchmark_pages().items():
+    _write_if_changed(page, text)
 
   studies = sorted(p.parent for p in (ROOT / "experiments").glob("*/README.md"))
   gallery = ["# Experiments gallery", "",

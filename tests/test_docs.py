@@ -47,6 +47,30 @@ def test_docs_build_without_warnings(tmp_path):
     assert (html / "results" / "experiments" / f"{study.parent.name}.html").exists(), study.parent.name
 
 
+def test_the_benchmarks_page_opens_with_its_headline_table_and_stays_short():
+  """A reader sees every benchmark's headline first and reaches its details by section; long tables have pages."""
+  import importlib.util
+  import re
+
+  spec = importlib.util.spec_from_file_location("docs_conf", ROOT / "docs" / "conf.py")
+  assert spec is not None and spec.loader is not None
+  conf = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(conf)
+  pages = conf.benchmark_pages()
+  page = pages[ROOT / "docs" / "results" / "benchmarks.md"].splitlines()
+  assert len(page) <= 260, len(page)
+  sections = [line for line in page if line.startswith("### ")]
+  assert sections[0] == "### Headline figures"
+  table = page[page.index(sections[0]):page.index(sections[1])]
+  slug = lambda title: re.sub(r"[^\w\- ]", "", title.lower().replace(" ", "-"))
+  anchors = {slug(s[4:]) for s in sections[1:]}
+  linked = set(re.findall(r"^\| \[[^]]+\]\(#([^)]+)\)", "\n".join(table), re.M))
+  assert linked == anchors  # one row per section, and each row reaches its section
+  for name in ("communication", "scale"):
+    assert f"(benchmarks_{name}.md)" in "\n".join(page)
+    assert pages[ROOT / "docs" / "results" / f"benchmarks_{name}.md"].startswith("# ")
+
+
 def test_the_adaptive_recipes_of_the_algorithms_guide_compute_what_it_states():
   """Adam before gradient tracking is as biased as decentralized Adam; tracking then Adam is exact; CHOCO with
   AdamW and the identity compressor is decentralized AdamW (the guide's section, on a smaller run)."""
