@@ -11,6 +11,7 @@ from jax import lax
 
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, vmap_nodes
+from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
                                        Wire, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
@@ -90,8 +91,10 @@ class Pmapped:
     return PmappedMixer(topology, self.axis_name, k, plans, self.bucket_bytes, step_table_or_none(plans))
 
   def mean(self, tree: Any) -> Any:
-    def leaf(x):
-      return jnp.broadcast_to(lax.pmean(jnp.mean(x, axis=0, keepdims=True), self.axis_name), x.shape)
+    def leaf(x):  # scaled before the sums (see `mean_terms`), which then cannot overflow
+      n = x.shape[0] * lax.axis_size(self.axis_name)
+      total = lax.psum(jnp.sum(mean_terms(x, n), axis=0, keepdims=True), self.axis_name)
+      return jnp.broadcast_to(total.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else total, x.shape)
 
     return jax.tree.map(leaf, tree)
 

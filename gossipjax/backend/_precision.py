@@ -1,6 +1,8 @@
-"""The dtype a mixing sum runs in."""
+"""The dtype a mixing sum runs in, and the terms an all-reduce mean sums."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,3 +23,32 @@ def accumulation_dtype(dtype: np.dtype) -> np.dtype:
   if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
     return jnp.dtype(jnp.float32)
   return dtype
+
+
+def mean_terms(x: Any, count: Any) -> Any:
+  """``x / count`` in the dtype an all-reduce mean sums in: scaled before the sum, which cannot overflow.
+
+  A mean that sums first overflows where the mean itself is finite (4 nodes at 1e38 in
+  float32 sum to inf); each term ``x_i / n`` is at most ``max |x|`` in size, and so is their
+  sum. Floats narrower than 32 bits are widened first (`accumulation_dtype`), other floats
+  keep their dtype, and integers are averaged in JAX's default float, as ``jnp.mean`` does.
+  Every backend's ``mean`` sums these terms over all n nodes.
+
+  Args:
+    x: a node-stacked leaf (or a block of it).
+    count: n, the number of nodes the mean is over (a number, or a traced integer).
+
+  Returns:
+    ``x / count``, to be summed over the node axis.
+
+  >>> x = jnp.full((4,), 1e38, jnp.float32)
+  >>> bool(jnp.sum(mean_terms(x, 4)) == x[0]), bool(jnp.isinf(jnp.mean(x)))   # scaled first; summed first
+  (True, True)
+  >>> mean_terms(jnp.ones(2, jnp.bfloat16), 2).dtype
+  dtype('float32')
+  """
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    dtype = accumulation_dtype(x.dtype)
+  else:
+    dtype = jnp.result_type(float)
+  return x.astype(dtype) / jnp.asarray(count).astype(dtype)

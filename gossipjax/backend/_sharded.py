@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
+from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
                                        Wire, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
@@ -277,10 +278,10 @@ class Sharded:
   def mean(self, tree: Any) -> Any:
     axis = self.axis
 
-    def body(x):
-      total = lax.psum(jnp.sum(x, axis=0, keepdims=True), axis)
+    def body(x):  # scaled before the sums (see `mean_terms`), which then cannot overflow
       n = x.shape[0] * lax.axis_size(axis)
-      return jnp.broadcast_to(total / n, x.shape).astype(x.dtype)
+      total = lax.psum(jnp.sum(mean_terms(x, n), axis=0, keepdims=True), axis)
+      return jnp.broadcast_to(total, x.shape).astype(x.dtype)
 
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=P(axis), out_specs=P(axis))
     return jax.tree.map(fn, conform(tree, self.mesh, jax.tree.map(lambda _: P(axis), tree)))

@@ -13,7 +13,7 @@ from jax import lax
 
 from gossipjax.backend._base import node_sharding
 from gossipjax.backend._map import InAxes, vmap_nodes
-from gossipjax.backend._precision import accumulation_dtype
+from gossipjax.backend._precision import accumulation_dtype, mean_terms
 from gossipjax.backend._table import mix_from_table, plan_table
 from gossipjax.topology import MixingPlan, Topology
 
@@ -137,7 +137,13 @@ class Simulate:
     return SimulateMixer(topology)
 
   def mean(self, tree: Any) -> Any:
-    return jax.tree.map(lambda x: jnp.broadcast_to(jnp.mean(x, axis=0, keepdims=True), x.shape), tree)
+    """Every node gets the average over the node axis, scaled before it is summed (see `mean_terms`)."""
+
+    def leaf(x):
+      total = jnp.sum(mean_terms(x, x.shape[0]), axis=0, keepdims=True)
+      return jnp.broadcast_to(total.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else total, x.shape)
+
+    return jax.tree.map(leaf, tree)
 
   def local_nodes(self, num_nodes: int) -> int:
     return num_nodes
