@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, Exchange, StepTable, check_bucket_bytes,
                                        Wire, check_divisible, compile_topology, mix_blocks, step_table_or_none)
+from gossipjax.backend._precision import mean_terms
 from gossipjax.topology import Topology
 
 INSTALL_HINT = (
@@ -66,6 +67,45 @@ def _import_mpi():
   return mpi4jax, MPI
 
 
+# The dtypes mpi4jax maps to an MPI datatype; a leaf of another dtype (bfloat16, float16, the
+# float8 formats) crosses as raw unsigned words of its width, bit for bit, in as many bytes.
+_MPI_DTYPES = frozenset({"float32", "float64", "complex64", "complex128", "int8", "int16", "int32", "int64", "uint8",
+                         "uint16", "uint32", "uint64", "bool"})
+
+
+def as_words(x: jax.Array) -> jax.Array:
+  """``x`` as MPI can send it: itself, or (a dtype MPI lacks) its bits as unsigned words of the same width.
+
+  >>> as_words(jnp.ones(2, jnp.bfloat16)).dtype, as_words(jnp.ones(2, jnp.float32)).dtype
+  (dtype('uint16'), dtype('float32'))
+  """
+  if jnp.dtype(x.dtype).name in _MPI_DTYPES:
+    return x
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * jnp.dtype(x.dtype).itemsize}"))
+
+
+def from_words(x: jax.Array, dtype: Any) -> jax.Array:
+  """The inverse of `as_words`: received words read back as ``dtype``."""
+  return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
+_HOST_COMMS: dict[int, Any] = {}
+
+
+def _host_comm(comm: Any) -> Any:
+  """A clone of ``comm`` for the host-side messages of ``mean``'s tracing, one per communicator.
+
+  A jitted step that is still running may be inside an mpi4jax call on ``comm`` while the
+  next function is traced; the host's message then travels on a communicator of its own.
+  Cloning is collective: it happens when a backend is built, on every rank.
+  """
+  _, MPI = _import_mpi()
+  key = int(MPI._handleof(comm))
+  if key not in _HOST_COMMS:
+    _HOST_COMMS[key] = comm.Clone()
+  return _HOST_COMMS[key]
+
+
 @functools.cache
 def _world_clone() -> Any:
   # One clone of COMM_WORLD for every default backend, as mpi4jax keeps for itself: gossip traffic
@@ -105,15 +145,15 @@ class MpiMixer:
       recv_shape = (recv_rows,) + tuple(x.shape[1:])
       template = send if send is not None and send.shape == recv_shape else jnp.zeros(recv_shape, x.dtype)
       received = mpi4jax.sendrecv(
-          send if send is not None else template,
-          template,
+          as_words(send if send is not None else template),
+          as_words(template),
           source=src if recv_rows else MPI.PROC_NULL,
           dest=int(ex.dest[rank]) if send is not None else MPI.PROC_NULL,
           sendtag=ex.index,
           recvtag=ex.index,
           comm=comm,
       )
-      return received if recv_rows else None
+      return from_words(received, template.dtype) if recv_rows else None
 
     def reduce(partial: jax.Array) -> jax.Array:
       return mpi4jax.allreduce(partial, op=MPI.SUM, comm=comm)
@@ -147,6 +187,7 @@ class Mpi:
     _import_mpi()
     if self.comm is None:
       object.__setattr__(self, "comm", _world_clone())
+    _host_comm(self.comm)
 
   @property
   def rank(self) -> int:
@@ -171,13 +212,29 @@ class Mpi:
     return MpiMixer(topology, self.comm, self.rank, self.size, plans, self.bucket_bytes, step_table_or_none(plans))
 
   def mean(self, tree: Any) -> Any:
+    """Every node gets the average over the nodes of every rank, each node weighted once.
+
+    The ranks' blocks may differ in size: while ``mean`` is traced, the ranks sum their
+    block sizes on the host (every rank traces the same program, so they do it together),
+    and each leaf is scaled by the total before its sum (see `mean_terms`), so the sum
+    cannot overflow. The traced program holds one all-reduce per leaf, as before. 16-bit
+    floats travel widened to float32, which MPI sums (4 bytes a value, not 2).
+    """
     mpi4jax, MPI = _import_mpi()
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+      return tree
+    blocks = {int(x.shape[0]) if getattr(x, "ndim", 0) else None for x in leaves}
+    if len(blocks) != 1 or None in blocks:
+      raise ValueError(f"gj.backend.mpi().mean on rank {self.rank}: every leaf needs the same leading node axis "
+                       f"(this rank's block of nodes), got leaves of shapes {[tuple(jnp.shape(x)) for x in leaves]}")
+    count = int(_host_comm(self.comm).allreduce(blocks.pop()))
 
     def leaf(x):
-      total = mpi4jax.allreduce(jnp.sum(x, axis=0, keepdims=True), op=MPI.SUM, comm=self.comm)
-      return jnp.broadcast_to(total / (x.shape[0] * self.size), x.shape).astype(x.dtype)
+      total = mpi4jax.allreduce(jnp.sum(mean_terms(x, count), axis=0, keepdims=True), op=MPI.SUM, comm=self.comm)
+      return jnp.broadcast_to(total, x.shape).astype(x.dtype)
 
-    return jax.tree.map(leaf, tree)
+    return jax.tree.unflatten(treedef, [leaf(x) for x in leaves])
 
   def local_nodes(self, num_nodes: int) -> int:
     return num_nodes // self.size
