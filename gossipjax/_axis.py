@@ -26,11 +26,13 @@ class Mapping:
     num_nodes: the size of the mapped node axis where it runs (all n nodes, or an MPI rank's
       block).
     where: the public name of the mapping transform (``"gj.chain"``, ``"gj.nodes"``), for errors.
+    index: this node's index on the mapped axis (traced: it differs from node to node).
   """
 
   backend: Any
   num_nodes: int
   where: str
+  index: Any
 
 
 _MAPPING: contextvars.ContextVar[Mapping | None] = contextvars.ContextVar("gossipjax_mapping", default=None)

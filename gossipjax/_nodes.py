@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from gossipjax._axis import AXIS, Mapping, mapped, mapping
-from gossipjax.mixing import resolve_backend
+from gossipjax.backend._sharded import conform, leaf_spec
+from gossipjax.mixing import follow_placement, resolve_backend
 from gossipjax.mixing._named import varies_over_nodes
 
 
@@ -342,16 +344,33 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
 
   compiled: dict[Any, Any] = {}
 
-  def run(fn, in_axes, out_axes, args, n):
-    context = Mapping(backend, n, where)
+  def place(args, in_axes):
+    """On a mesh, every mapped leaf laid out over the node axis (vmap wants them alike)."""
+    if mesh is None:
+      return args
+    axis, where_ = getattr(backend, "axis", AXIS), f"{where} on {backend!r}"
 
-    def one(*a):
-      with mapped(context):
+    def put(a, sub):
+      if a is None:
+        return sub
+      return jax.tree.map(lambda x: conform(x, mesh, leaf_spec(x, mesh, axis, where_) or P(axis)), sub)
+
+    return tuple(jax.tree.map(put, a, arg, is_leaf=lambda v: v is None) for a, arg in zip(in_axes, args))
+
+  def run(fn, in_axes, out_axes, args, n):
+    def one(index, *a):
+      with mapped(Mapping(backend, n, where, index)):
         return fn(*a)
 
-    call = jax.vmap(one, in_axes=in_axes, out_axes=out_axes, axis_name=AXIS)
+    in_axes = tuple(in_axes) if isinstance(in_axes, tuple) else (in_axes,) * len(args)
+    args = place(args, in_axes)
+    call = jax.vmap(one, in_axes=(0, *in_axes), out_axes=out_axes, axis_name=AXIS)
+    # Each node's index on the mapped axis, placed like the nodes (lax.axis_index would be an
+    # unplaced iota, which an Explicit mesh refuses to mix with the node-sharded values).
+    like = next((x for x in jax.tree.leaves(args) if jnp.ndim(x) and jnp.shape(x)[0] == n), None)
+    index = follow_placement(jnp.arange(n, dtype=jnp.int32), like) if like is not None else jnp.arange(n)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-      return call(*args)  # inside the caller's jit (or eval_shape): traced once with it
+      return call(index, *args)  # inside the caller's jit (or eval_shape): traced once with it
     # Called eagerly: one compiled program per layout, not op by op at every call. On an
     # Explicit mesh vmap's broadcasts of per-node values are placed through the mesh context.
     is_axis = lambda a: a is None
@@ -362,8 +381,8 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
       jitted = compiled[key] = jax.jit(call)
     if mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types:
       with jax.set_mesh(mesh):
-        return jitted(*args)
-    return jitted(*args)
+        return jitted(index, *args)
+    return jitted(index, *args)
 
   def flags_of(fn, in_axes, args, n, part=lambda out: out):
     """Which leaves of ``part(fn(...))`` vary over the nodes (traced once, abstractly)."""

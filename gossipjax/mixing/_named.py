@@ -15,10 +15,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.custom_batching import custom_vmap
 
-from gossipjax._axis import AXIS, Mapping, mapped, mapping
+from gossipjax._axis import Mapping, mapped, mapping
 from gossipjax.backend._base import Mixer
 from gossipjax.backend._blocks import Wire
 from gossipjax.topology import Topology
@@ -29,14 +28,20 @@ def _stacked(x: Any, batched: bool, size: int) -> Any:
 
 
 def _shared(x: Any, batched: bool) -> Any:
-  """A value every node holds alike (a step count), from its stacked or shared form."""
-  return x[0] if batched else x
+  """A value every node holds alike (a step count), from its stacked or shared form.
+
+  A stacked count differs between nodes only where a node held its state back (a per-node
+  ``optax.apply_if_finite`` around the method); the round then follows the nodes furthest on.
+  """
+  return jnp.max(x, axis=0) if batched else x
 
 
 def _witness() -> jax.Array:
   # Varies over the node axis, so a collective's batching rule runs at the mapping's level
   # even when every other argument is the same on every node.
-  return lax.axis_index(AXIS)
+  current = mapping()
+  assert current is not None
+  return current.index
 
 
 def check_same_backend(current: Mapping, backend: Any, name: str) -> None:
@@ -124,7 +129,8 @@ class NodeMixer:
       del witness
       b_tree, b_step, b_parts, b_context, _ = in_batched
       tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, b_tree)
-      step = _shared(step, b_step)
+      # A static W needs no step: it is not read, so a stacked count costs no reduction.
+      step = 0 if not stacked.topology.is_time_varying and wire is None else _shared(step, b_step)
       with mapped(None):
         if wire is None:
           out = stacked.mix(tree, step)
@@ -164,7 +170,7 @@ def node_index(first_node: jax.Array | int, num_nodes: int) -> jax.Array:
   """The global index of each node: ``first_node + arange(n)`` stacked, this node's inside a mapping."""
   if mapping() is None:
     return first_node + jnp.arange(num_nodes)
-  return first_node + lax.axis_index(AXIS)
+  return first_node + _witness()
 
 
 def node_shape(tree: Any) -> tuple[int, ...]:
