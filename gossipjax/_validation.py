@@ -144,33 +144,40 @@ def _concrete_scalar(value: Any, name: str, what: str) -> float | None:
   return float(np.asarray(value))
 
 
-def check_learning_rate(learning_rate: Any, name: str) -> None:
-  """Raises unless ``learning_rate`` is a finite, non-negative number or a schedule (a callable).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_learning_rate(learning_rate: Any, name: str, arg: str = "learning_rate",
+                        high: float = np.inf) -> None:
+  """Raises unless ``learning_rate`` is a finite number in [0, ``high``] or a schedule (a callable).
 
   A schedule is traced once on an abstract step count (``jax.eval_shape``, nothing runs):
   one that returns an array of shape (3,) or (n, 1) would broadcast into a per-coordinate or
   per-node rate, so it is refused. Its values are not checked; a traced value (a
-  hyperparameter injected under ``jit``) is accepted when it is a scalar.
+  hyperparameter injected under ``jit``) is accepted when it is a scalar. ``arg`` names the
+  argument in messages (``"outer_learning_rate"``).
   """
   if callable(learning_rate):
-    _check_schedule_shape(learning_rate, name)
+    _check_schedule_shape(learning_rate, name, arg)
     return
   if isinstance(learning_rate, jax.core.Tracer):
     if np.ndim(learning_rate):
-      raise TypeError(f"{name}: learning_rate must be a scalar, got a traced array of shape {np.shape(learning_rate)}")
+      raise TypeError(f"{name}: {arg} must be a scalar, got a traced array of shape {np.shape(learning_rate)}")
     return
   if isinstance(learning_rate, bool) or not isinstance(
       learning_rate, (int, float, np.integer, np.floating, np.ndarray, jax.Array, jax.core.Tracer)):
-    raise TypeError(f"{name}: learning_rate must be a float or an optax schedule (a callable step -> rate), "
+    raise TypeError(f"{name}: {arg} must be a float or an optax schedule (a callable step -> rate), "
                     f"got {type(learning_rate).__name__} {learning_rate!r}")
-  lr = _concrete_scalar(learning_rate, name, "learning_rate")
+  lr = _concrete_scalar(learning_rate, name, arg)
   if lr is not None and not np.isfinite(lr):
-    raise ValueError(f"{name}: learning_rate must be finite, got {lr}")
+    raise ValueError(f"{name}: {arg} must be finite, got {lr}")
   if lr is not None and lr < 0:
-    raise ValueError(f"{name}: learning_rate must be non-negative, got {lr} (a negative rate ascends the loss)")
+    raise ValueError(f"{name}: {arg} must be non-negative, got {lr} (a negative rate ascends the loss)")
+  if lr is not None and lr > high:
+    raise ValueError(f"{name}: {arg} must be at most {high:.4g}, got {lr:g}")
 
 
-def _check_schedule_shape(schedule: Any, name: str) -> None:
+def _check_schedule_shape(schedule: Any, name: str, arg: str = "learning_rate") -> None:
   try:
     out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
   except Exception:  # a schedule that cannot be traced on its own fails where it is used, with its own error
@@ -178,7 +185,7 @@ def _check_schedule_shape(schedule: Any, name: str) -> None:
   shapes = [np.shape(x) for x in jax.tree.leaves(out)]
   if shapes != [()]:
     got = f"an array of shape {shapes[0]}" if len(shapes) == 1 else f"{len(shapes)} values"
-    raise ValueError(f"{name}: learning_rate is a schedule that returns {got}; it must return one number per step "
+    raise ValueError(f"{name}: {arg} is a schedule that returns {got}; it must return one number per step "
                      "(an array would be broadcast into a per-coordinate or per-node rate)")
 
 

@@ -68,6 +68,10 @@ RESUME_OPTIONS = ("algorithms", "topologies", "nodes", "lr", "beta", "seed", "ba
                   "inner_steps", "outer_lr", "outer_momentum")
 
 
+# The methods that train locally for --inner-steps steps between outer steps.
+OUTER_ALGORITHMS = ("diloco", "noloco")
+
+
 def build_parser() -> argparse.ArgumentParser:
   from gossipjax._validation import MAX_PERIOD
   from gossipjax.train import ALGORITHMS, TOPOLOGIES
@@ -108,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="dmsgd_pga: steps between global averages")
   t.add_argument("--inner-steps", type=period, default=10,
                  help="diloco, noloco: local AdamW steps (learning rate --lr, b1 --beta) per outer step")
-  t.add_argument("--outer-lr", type=_real("a finite number > 0", 0.0, low_open=True), default=0.7,
-                 help="diloco, noloco: the outer learning rate")
+  t.add_argument("--outer-lr", type=_real("a number in (0, 1000]", 0.0, 1e3, low_open=True, high_open=False),
+                 default=0.7, help="diloco, noloco: the outer learning rate")
   t.add_argument("--outer-momentum", type=_real("a number in [0, 1)", 0.0, 1.0), default=None,
                  help="diloco, noloco: the outer momentum (default: 0.9, Nesterov, for diloco; 0.5 for noloco)")
   t.add_argument("--partition", choices=["iid", "dirichlet", "by_class"], default="dirichlet",
@@ -151,6 +155,10 @@ def _check_args(args: argparse.Namespace) -> None:
   fail = args.parser.error
   if args.steps % args.log_every:
     fail(f"argument --steps: {args.steps} must be a multiple of --log-every ({args.log_every})")
+  outer = [a for a in args.algorithms if a in OUTER_ALGORITHMS]
+  if outer and args.inner_steps > args.steps:
+    fail(f"argument --inner-steps: {args.inner_steps} is more than --steps {args.steps}, so {', '.join(outer)} would "
+         "never end a round (they communicate once every --inner-steps steps); give --inner-steps at most --steps")
   if args.checkpoint_every % args.log_every:
     fail(f"argument --checkpoint-every: {args.checkpoint_every} must be a multiple of --log-every ({args.log_every})")
   if args.devices is not None and args.backend != "sharded":

@@ -14,7 +14,8 @@ from jax.typing import DTypeLike
 
 from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._nodes import per_node
-from gossipjax._validation import check_in_range, check_node_axis, check_period, require_params
+from gossipjax._validation import (FLOAT32_MAX, check_in_range, check_learning_rate, check_node_axis, check_period,
+                                   require_params)
 from gossipjax.algorithms._common import check_state_dtype, copy_of
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
 from gossipjax.mixing._named import node_average
@@ -43,9 +44,13 @@ class OuterState(NamedTuple):
 
 
 def _check_outer_rates(learning_rate: Any, momentum: Any, name: str) -> None:
-  """The outer learning rate: a non-negative number or a schedule (of the outer round); momentum in [0, 1)."""
-  if not callable(learning_rate):
-    check_in_range(learning_rate, name, "outer_learning_rate", 0.0, np.inf)
+  """The outer learning rate: a number in [0, float32's largest] or a schedule of one number per round; momentum in [0, 1).
+
+  A rate past float32's range (1e300) becomes inf in float32 params, every outer step would
+  then be non-finite (and skipped under ``gj.guard_finite``): refused here, as is a schedule
+  that returns an array (a per-coordinate rate).
+  """
+  check_learning_rate(learning_rate, name, "outer_learning_rate", high=FLOAT32_MAX)
   check_in_range(momentum, name, "outer_momentum", 0.0, 1.0)
   if not isinstance(momentum, jax.core.Tracer) and float(momentum) == 1.0:
     raise ValueError(f"{name}: outer_momentum must be in [0, 1), got {momentum!r}")

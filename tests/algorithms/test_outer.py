@@ -313,8 +313,15 @@ def test_bad_input_names_the_argument():
     gj.noloco(optax.adam(0.1), T.one_peer_exponential(N))
   with pytest.raises(ValueError, match=r"^gj\.diloco: outer_momentum must be in \[0, 1\)"):
     gj.diloco(optax.adam(0.1), outer_momentum=1.0)
-  with pytest.raises(ValueError, match=r"^gj\.noloco: outer_learning_rate must be in"):
+  with pytest.raises(ValueError, match=r"^gj\.noloco: outer_learning_rate must be non-negative"):
     gj.noloco(optax.adam(0.1), topo, outer_learning_rate=-0.1)
+  with pytest.raises(ValueError, match=r"^gj\.diloco: outer_learning_rate must be at most 3\.403e\+38, got 1e\+300"):
+    gj.diloco(optax.adam(0.1), outer_learning_rate=1e300)  # inf in float32: every outer step would be skipped
+  for shape in [(3,), (4, 1)]:
+    with pytest.raises(ValueError, match=rf"^gj\.noloco: outer_learning_rate is a schedule that returns an array of "
+                                         rf"shape {re.escape(str(shape))}"):
+      gj.noloco(optax.adam(0.1), topo, outer_learning_rate=lambda t, shape=shape: 0.7 * jnp.ones(shape))
+  gj.diloco(optax.adam(0.1), outer_learning_rate=optax.cosine_decay_schedule(0.7, 10))  # a scalar schedule is fine
   labelled = optax.GradientTransformation(lambda p: {"name": "adam"}, lambda u, s, p=None: (u, s))
   tx = gj.diloco(labelled, inner_steps=2)
   with pytest.raises(TypeError, match=r"^gj\.diloco: the state of inner cannot be stacked per node"):

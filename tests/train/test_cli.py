@@ -53,6 +53,9 @@ BAD_OPTIONS = [
     (["--average-every", "3000000000"], "argument --average-every: 3000000000 is out of range; it must be a positive "
      "integer of at most 2**31 - 1"),
     (["--inner-steps", str(2**31)], f"argument --inner-steps: {2**31} is out of range"),
+    (["--outer-lr", "1e300"], "argument --outer-lr: 1e+300 is out of range; it must be a number in (0, 1000]"),
+    (["--algorithms", "dmsgd,noloco", "--inner-steps", "100", "--steps", "20", "--log-every", "10"],
+     "argument --inner-steps: 100 is more than --steps 20, so noloco would never end a round"),
 ]
 
 
