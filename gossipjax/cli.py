@@ -65,8 +65,10 @@ DEFAULT_ROOT = os.path.join("runs", "train")
 
 RESUME_OPTIONS = ("algorithms", "topologies", "nodes", "lr", "beta", "seed", "batch_size", "partition", "alpha",
                   "model", "log_every", "backend", "compressor", "compress_fraction", "consensus_step", "average_every",
-                  "inner_steps", "outer_lr", "outer_momentum")
+                  "inner_steps", "outer_lr", "outer_momentum", "inner_lr")
 
+
+DEFAULT_TOPOLOGIES = ("ring", "exponential", "symmetric_exponential")
 
 # The methods that train locally for --inner-steps steps between outer steps.
 OUTER_ALGORITHMS = ("diloco", "noloco")
@@ -95,12 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="an MLP with one hidden layer, or a small CNN")
   t.add_argument("--algorithms", type=_names("algorithm", tuple(ALGORITHMS)),
                  default=["allreduce", "dpsgd", "dmsgd", "decentlam"], help=f"comma-separated, from: {', '.join(ALGORITHMS)}")
-  t.add_argument("--topologies", type=_names("topology", tuple(TOPOLOGIES)),
-                 default=["ring", "exponential", "symmetric_exponential"], help=f"comma-separated, from: {', '.join(TOPOLOGIES)}")
+  t.add_argument("--topologies", type=_names("topology", tuple(TOPOLOGIES)), default=None,
+                 help=f"comma-separated, from: {', '.join(TOPOLOGIES)} (default: {','.join(DEFAULT_TOPOLOGIES)}; "
+                      "noloco, which needs a pairing of the nodes, runs on random_pairs unless this names topologies)")
   t.add_argument("--nodes", type=_integer(2, "an integer of at least 2"), default=16, help="number of nodes")
   t.add_argument("--steps", type=_integer(1, "a positive integer"), default=500, help="training steps per run")
   t.add_argument("--batch-size", type=_integer(1, "a positive integer"), default=16, help="per node")
-  t.add_argument("--lr", type=_real("a finite number > 0", 0.0, low_open=True), default=0.1, help="learning rate")
+  t.add_argument("--lr", type=_real("a finite number > 0", 0.0, low_open=True), default=0.1,
+                 help="learning rate of every method but diloco and noloco (their inner AdamW takes --inner-lr)")
   t.add_argument("--beta", type=_real("a number in [0, 1)", 0.0, 1.0), default=0.9, help="momentum (dpsgd uses 0)")
   t.add_argument("--compressor", choices=list(COMPRESSORS), default="top_k", help="choco: the compressor")
   t.add_argument("--compress-fraction", type=_real("a number in (0, 1]", 0.0, 1.0, low_open=True, high_open=False),
@@ -111,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--average-every", type=period, default=10,
                  help="dmsgd_pga: steps between global averages")
   t.add_argument("--inner-steps", type=period, default=10,
-                 help="diloco, noloco: local AdamW steps (learning rate --lr, b1 --beta) per outer step")
+                 help="diloco, noloco: local AdamW steps (learning rate --inner-lr, b1 --beta) per outer step")
+  t.add_argument("--inner-lr", type=_real("a finite number > 0", 0.0, low_open=True), default=3e-3,
+                 help="diloco, noloco: the learning rate of their inner AdamW (every other method steps at --lr)")
   t.add_argument("--outer-lr", type=_real("a number in (0, 1000]", 0.0, 1e3, low_open=True, high_open=False),
                  default=0.7, help="diloco, noloco: the outer learning rate")
   t.add_argument("--outer-momentum", type=_real("a number in [0, 1)", 0.0, 1.0), default=None,
@@ -120,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="how the training set is split over the nodes")
   t.add_argument("--alpha", type=_real("a finite number > 0", 0.0, low_open=True), default=0.5,
                  help="Dirichlet label-skew concentration")
-  t.add_argument("--log-every", type=_integer(1, "a positive integer"), default=25,
-                 help="steps per jitted chunk and metrics row")
+  t.add_argument("--log-every", type=_integer(1, "a positive integer"), default=None,
+                 help="steps per jitted chunk and metrics row, and a last row at --steps (default: 25; with diloco "
+                      "or noloco the multiple of --inner-steps nearest 25, so that every row falls at a round's end, "
+                      "after the outer step)")
   t.add_argument("--seed", type=_integer(0, "an integer in [0, 2**63)", high=2**63 - 1), default=0,
                  help="seeds the init, the partition and the batches")
   t.add_argument("--max-bad-steps", type=_integer(0, "a non-negative integer"), default=10,
@@ -153,12 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(args: argparse.Namespace) -> None:
   """Checks between options; errors go through the parser (one line, exit status 2)."""
   fail = args.parser.error
-  if args.steps % args.log_every:
-    fail(f"argument --steps: {args.steps} must be a multiple of --log-every ({args.log_every})")
+  args.topologies_given = args.topologies is not None
+  if args.topologies is None:
+    args.topologies = list(DEFAULT_TOPOLOGIES)
   outer = [a for a in args.algorithms if a in OUTER_ALGORITHMS]
   if outer and args.inner_steps > args.steps:
     fail(f"argument --inner-steps: {args.inner_steps} is more than --steps {args.steps}, so {', '.join(outer)} would "
          "never end a round (they communicate once every --inner-steps steps); give --inner-steps at most --steps")
+  if args.log_every is None:
+    args.log_every = _default_log_every(args.inner_steps if outer else None)
+  elif outer and args.log_every % args.inner_steps:
+    sys.stderr.write(f"gossipjax train: warning: --log-every {args.log_every} is not a multiple of --inner-steps "
+                     f"{args.inner_steps}: {', '.join(outer)}'s rows fall inside a round and measure the nodes' "
+                     "local models there (their consensus distance is 0 only at a round's end)\n")
   if args.checkpoint_every % args.log_every:
     fail(f"argument --checkpoint-every: {args.checkpoint_every} must be a multiple of --log-every ({args.log_every})")
   if args.devices is not None and args.backend != "sharded":
@@ -176,6 +191,13 @@ def _check_args(args: argparse.Namespace) -> None:
     fail("argument --overwrite: not with --resume, which continues the job in --out")
   if args.out == "":
     fail("argument --out: give a folder, not an empty string")
+
+
+def _default_log_every(inner_steps: int | None) -> int:
+  """25 steps per row; with diloco or noloco the multiple of --inner-steps nearest 25, so every row ends a round."""
+  if inner_steps is None:
+    return 25
+  return inner_steps * max(1, round(25 / inner_steps))
 
 
 def _resume_options(args: argparse.Namespace) -> dict:
@@ -324,27 +346,36 @@ def train(args: argparse.Namespace) -> dict:
 def _build_runs(args: argparse.Namespace, backend):
   """Every run's config and transform, built before any training so that a bad name or size fails first.
 
-  A pair the algorithm cannot run on (DecentLaM on a directed graph) is skipped with its reason.
+  A pair the algorithm cannot run on (DecentLaM on a directed graph, NoLoCo on a graph that
+  does not pair the nodes) is skipped with its reason; a job left with no run is refused.
   """
   from gossipjax.train import ALGORITHMS, RunConfig, make_algorithm, make_topology
   from gossipjax.train._registry import MOMENTUM, NEEDS_NO_TOPOLOGY, OWN_TOPOLOGY, AlgorithmOptions
 
   parser: argparse.ArgumentParser = args.parser
+  given = getattr(args, "topologies_given", args.topologies is not None)
+  if args.topologies is None:
+    args.topologies = list(DEFAULT_TOPOLOGIES)
   runs = []
   for alg in args.algorithms:
     topologies = [None] if alg in NEEDS_NO_TOPOLOGY else args.topologies
-    topologies = [OWN_TOPOLOGY[alg]] if alg in OWN_TOPOLOGY else topologies
+    topologies = [OWN_TOPOLOGY[alg]] if alg in OWN_TOPOLOGY and not given else topologies
+    outer = alg in OUTER_ALGORITHMS
     for topo in topologies:
       runs.append(RunConfig(algorithm=alg, topology=topo, num_nodes=args.nodes, steps=args.steps,
-                            batch_size=args.batch_size, learning_rate=args.lr, beta=MOMENTUM.get(alg, args.beta),
-                            partition=args.partition, alpha=args.alpha, seed=args.seed, log_every=args.log_every,
-                            max_bad_steps=args.max_bad_steps, model=args.model, backend=args.backend))
+                            batch_size=args.batch_size, learning_rate=args.inner_lr if outer else args.lr,
+                            beta=MOMENTUM.get(alg, args.beta), partition=args.partition, alpha=args.alpha,
+                            seed=args.seed, log_every=args.log_every, max_bad_steps=args.max_bad_steps,
+                            model=args.model, backend=args.backend,
+                            outer_momentum=_outer_momentum(args, alg) if outer else None))
   txs, skipped = [], {}
   options = AlgorithmOptions(args.compressor, args.compress_fraction, args.consensus_step, args.average_every,
                              args.inner_steps, args.outer_lr, args.outer_momentum)
   for c in list(runs):
     try:
       topo = make_topology(c.topology, c.num_nodes) if c.topology else None
+      if c.algorithm == "noloco" and c.topology == "random_pairs":
+        topo = noloco_pairs(c.num_nodes, args.steps, args.inner_steps)
     except ValueError as e:
       parser.error(f"argument --topologies: {c.topology} on --nodes {c.num_nodes}: {e}")
     try:
@@ -354,7 +385,29 @@ def _build_runs(args: argparse.Namespace, backend):
         raise
       skipped[c.name] = str(e)
       runs.remove(c)
+  if not runs:
+    name, why = next(iter(skipped.items()))
+    parser.error(f"argument --topologies: no run is left, every algorithm is skipped on "
+                 f"{', '.join(args.topologies)} ({name}: {why})")
   return runs, txs, skipped
+
+
+def noloco_pairs(num_nodes: int, steps: int, inner_steps: int):
+  """NoLoCo's topology in the main job: a fresh random matching in every round of the run, as its authors draw.
+
+  ``random_pairs`` repeats its matchings after ``period`` steps of W, and NoLoCo advances W
+  once per round: the period covers every round of the run (at least 16, which connects).
+  """
+  from gossipjax import topology as T
+
+  return T.random_pairs(num_nodes, period=max(16, -(-steps // inner_steps)))
+
+
+def _outer_momentum(args: argparse.Namespace, alg: str) -> float:
+  """The outer momentum diloco or noloco runs with: --outer-momentum, else 0.9 (diloco) or 0.5 (noloco)."""
+  if args.outer_momentum is not None:
+    return args.outer_momentum
+  return 0.9 if alg == "diloco" else 0.5
 
 
 def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> dict:

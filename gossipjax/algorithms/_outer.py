@@ -322,9 +322,9 @@ def noloco(
   r"""NoLoCo: H local steps of ``inner``, then one exchange with a random peer and a modified momentum step.
 
   Kolehmainen et al. (2025). No all-reduce: at the end of a round each node i averages with
-  the one peer j that ``topology`` pairs it with in that round (``gj.topology.random_pairs``:
-  a fresh random matching every round), and its outer momentum carries, next to the pair's
-  averaged pseudo-gradient, a term that pulls its outer params towards the pair's:
+  the one peer j that ``topology`` pairs it with in that round, and its outer momentum
+  carries, next to the pair's averaged pseudo-gradient, a term that pulls its outer params
+  towards the pair's:
 
   .. math::
     \delta_i &\leftarrow \mu \delta_i - \eta \Big(\tfrac12(\Delta_i + \Delta_j)
@@ -338,12 +338,24 @@ def noloco(
   (H = 50, :math:`\eta = 0.7`, :math:`\mu = 0.5`, inner Adam). Built as `outer_optimizer`
   with heavy-ball ``optax.sgd(eta, momentum=mu)`` over ``topology``.
 
+  Round r pairs the nodes by W(r): ``gj.topology.random_pairs(n, period=P)`` draws P
+  matchings and repeats them, so round P pairs as round 0 did. The authors draw a fresh
+  matching every round: give P at least the number of rounds (``gossipjax train`` does).
+
+  With a schedule :math:`\eta_r` (r the outer round) the rate scales the whole momentum, as
+  optax's ``sgd`` applies it after the trace: :math:`m_i \leftarrow \mu m_i + b_i`,
+  :math:`\phi_i \leftarrow \phi_i - \eta_r m_i`, with :math:`b_i` the bracket above. For a
+  constant :math:`\eta` this is the recurrence above (:math:`\delta_i = -\eta m_i`); for a
+  varying one it is not the authors' :math:`\delta_i \leftarrow \mu \delta_i - \eta_r b_i`,
+  which applies each rate to its own round's term only.
+
   Args:
     inner: the local optimizer, e.g. ``optax.adam(2e-4)``.
-    topology: a pairing of the nodes at every step, e.g. ``gj.topology.random_pairs(n)``;
-      W advances one step of its period per outer round.
+    topology: a pairing of the nodes at every step, e.g. ``gj.topology.random_pairs(n,
+      period=rounds)``; W advances one step of its period per outer round.
     inner_steps: H, the local steps per round.
-    outer_learning_rate: :math:`\eta`, or an optax schedule, called with the outer round.
+    outer_learning_rate: :math:`\eta`, or an optax schedule, called with the outer round
+      (see above for the recurrence it then computes).
     outer_momentum: :math:`\mu` in [0, 1).
     backend: where the nodes live (default: simulate).
     state_dtype: the dtype of :math:`\phi` and :math:`\delta` (as in `outer_optimizer`);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -28,10 +29,11 @@ class RunConfig:
     topology: a name in `gossipjax.train.TOPOLOGIES`, or ``None`` for the algorithms that
       need none (``allreduce``, ``easgd``).
     num_nodes: n, the number of simulated nodes.
-    steps: training steps (a multiple of ``log_every``; the loop runs whole chunks).
+    steps: training steps; the last chunk is shorter when ``log_every`` does not divide
+      them, so the last metrics row is at ``steps``.
     batch_size: samples per node per step.
-    learning_rate: the step size gamma.
-    beta: the momentum of the algorithms that take one.
+    learning_rate: the step size gamma (DiLoCo's and NoLoCo's inner AdamW's).
+    beta: the momentum of the algorithms that take one (DiLoCo's and NoLoCo's inner b1).
     partition: how the training set is split over nodes: ``"iid"``, ``"dirichlet"``
       (`gossipjax.data.partition_dirichlet` with ``alpha``) or ``"by_class"``
       (`gossipjax.data.partition_by_class` with ``classes_per_node``).
@@ -39,11 +41,13 @@ class RunConfig:
     classes_per_node: the classes per node of the ``"by_class"`` partition.
     hidden: the hidden widths of the ``"mlp"`` model.
     seed: seed of the partition, the initialisation and the minibatches.
-    log_every: steps per jitted chunk; one metrics row per chunk.
+    log_every: steps per jitted chunk; one metrics row per chunk, and one at ``steps``.
     max_bad_steps: a node whose gradient is NaN/inf this many steps in a row stops the
       run (0: never).
     model: ``"mlp"`` or ``"cnn"``, as the main job names them.
     backend: ``"simulate"``, ``"sharded"`` or ``"mpi"``, as the main job names them.
+    outer_momentum: DiLoCo's and NoLoCo's outer momentum, for the record and the legend;
+      ``None`` for the other algorithms.
 
   Example:
     >>> from gossipjax import train
@@ -68,6 +72,7 @@ class RunConfig:
   max_bad_steps: int = 10  # a node whose gradient is NaN/inf this many steps in a row stops the run; 0: never
   model: str = "mlp"  # mlp | cnn, as the main job names them
   backend: str = "simulate"  # simulate | sharded | mpi, as the main job names them
+  outer_momentum: float | None = None  # diloco, noloco: the outer momentum (their beta is the inner AdamW's b1)
 
   @property
   def name(self) -> str:
@@ -238,7 +243,7 @@ def run(
       part scores the mean model and every node's model.
     model: a flax module (`MLP`, `CNN`, or any with ``init`` and ``apply``).
     tx: built for ``backend`` (e.g. ``gj.gossip_sgd(W, ..., backend=backend)``).
-    progress: called with ``cfg.log_every`` after every chunk (a progress bar's ``update``).
+    progress: called with the chunk's steps after every chunk (a progress bar's ``update``).
     state: where to start (default: `init_state`); a restored checkpoint continues from it.
     on_chunk: called with the state and the metrics rows so far after every chunk
       (the main job saves checkpoints there).
@@ -247,7 +252,8 @@ def run(
       metrics are of all n nodes on every backend.
 
   Returns:
-    The final state (this process's nodes) and one metrics row per ``cfg.log_every`` steps:
+    The final state (this process's nodes) and one metrics row per ``cfg.log_every`` steps
+    and one at ``cfg.steps``:
     ``step``, ``train_loss`` (mean over nodes and the chunk), ``consensus_distance``,
     ``test_loss`` and ``test_accuracy`` of the mean model, ``node_accuracy_mean`` and
     ``node_accuracy_min`` over the nodes' own models, and ``skipped_node_steps``.
@@ -287,9 +293,9 @@ def run(
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
 
-  @jax.jit
-  def chunk(params, opt_state, start):
-    (params, opt_state), losses = lax.scan(one_step, (params, opt_state), start + jnp.arange(cfg.log_every))
+  @functools.partial(jax.jit, static_argnums=3)
+  def chunk(params, opt_state, start, length):
+    (params, opt_state), losses = lax.scan(one_step, (params, opt_state), start + jnp.arange(length))
     return params, opt_state, jnp.mean(losses, axis=0)  # each node's mean training loss over the chunk
 
   @jax.jit
@@ -308,8 +314,9 @@ def run(
   history = []
   params, opt_state, step = state.params, state.opt_state, state.step
   while step < cfg.steps:
-    params, opt_state, node_losses = chunk(params, opt_state, jnp.asarray(step, jnp.int32))
-    step += cfg.log_every
+    length = min(cfg.log_every, cfg.steps - step)  # the last chunk ends at cfg.steps
+    params, opt_state, node_losses = chunk(params, opt_state, jnp.asarray(step, jnp.int32), length)
+    step += length
     placement.check_together(check_guard, opt_state, step, placement.first_node)
     all_params = placement.gather(params)
     placement.check_together(check_finite, all_params, step)
@@ -320,7 +327,7 @@ def run(
     if on_chunk is not None:
       on_chunk(state, history)
     if progress is not None:
-      progress(cfg.log_every)
+      progress(length)
   return state, history
 
 

@@ -92,11 +92,13 @@ ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "choco": lambda topo, lr, beta, be, o: gj.choco_sgd(
         topo, COMPRESSORS[o.compressor](o.compress_fraction), learning_rate=lr, consensus_step=o.consensus_step,
         backend=be),
-    "dmsgd_pga": lambda topo, lr, beta, be, o: optax.chain(
-        gj.gossip_sgd(topo, beta=beta, learning_rate=lr, backend=be), gj.periodic_average(o.average_every, backend=be)),
-    "d_adam": lambda topo, lr, beta, be, o: optax.chain(optax.adam(lr, b1=beta), gj.mix(topo, backend=be)),
+    "dmsgd_pga": lambda topo, lr, beta, be, o: gj.chain(
+        gj.gossip_sgd(topo, beta=beta, learning_rate=lr, backend=be), gj.periodic_average(o.average_every, backend=be),
+        backend=be),
+    "d_adam": lambda topo, lr, beta, be, o: gj.chain(optax.adam(lr, b1=beta), gj.mix(topo, backend=be), backend=be),
     "easgd": lambda topo, lr, beta, be, o: gj.easgd(learning_rate=lr, backend=be),
-    # Local training with an outer optimizer: inner AdamW (b1 = --beta), H = --inner-steps.
+    # Local training with an outer optimizer: inner AdamW at lr (the main job's --inner-lr), b1 = --beta,
+    # H = --inner-steps.
     "diloco": lambda topo, lr, beta, be, o: gj.diloco(
         optax.adamw(lr, b1=beta), inner_steps=o.inner_steps, backend=be, **_outer_momentum(o, 0.9)),
     "noloco": lambda topo, lr, beta, be, o: gj.noloco(
@@ -109,7 +111,7 @@ MOMENTUM = {"dpsgd": 0.0, "gradient_tracking": None, "exact_diffusion": None, "e
 
 NEEDS_NO_TOPOLOGY = frozenset({"allreduce", "easgd", "diloco"})
 
-#: Algorithms that run on one topology of their own, whatever --topologies says: NoLoCo pairs
+#: Algorithms that run on a topology of their own unless --topologies names some: NoLoCo pairs
 #: the nodes at random in every round.
 OWN_TOPOLOGY = {"noloco": "random_pairs"}
 

@@ -83,6 +83,8 @@ def _label(config: dict[str, Any]) -> str:
   from gossipjax.train._registry import MOMENTUM
 
   algorithm = config["algorithm"]
+  if config.get("outer_momentum") is not None:  # DiLoCo, NoLoCo: beta is the inner AdamW's b1
+    return f"{algorithm} (outer μ = {config['outer_momentum']:g}, inner b1 = {config.get('beta'):g})"
   beta = MOMENTUM.get(algorithm, config.get("beta"))
   if algorithm in MOMENTUM and beta is None:
     return algorithm

@@ -94,8 +94,12 @@ def diloco_numpy(a, b, noise, x0, outer_lr, mu):
   return out
 
 
-def noloco_numpy(a, b, noise, x0, topo, outer_lr, mu):
-  """Kolehmainen et al. (2025), the authors' SparseOptimizerC with groups of 2: pair means of phi and theta - phi."""
+def noloco_numpy(a, b, noise, x0, topo, outer_lr, mu, schedule=None):
+  """Kolehmainen et al. (2025), the authors' SparseOptimizerC with groups of 2: pair means of phi and theta - phi.
+
+  With ``schedule`` (round -> rate), the documented recurrence of gj.noloco: m <- mu m + bracket,
+  phi <- phi - eta_r m (optax applies the rate after the momentum).
+  """
   phi, theta, mom = np.tile(x0, (N, 1)), np.tile(x0, (N, 1)), np.zeros((N, D))
   inner = [NumpyAdamW(D) for _ in range(N)]
   out = np.zeros((ROUNDS * H, N, D))
@@ -111,8 +115,13 @@ def noloco_numpy(a, b, noise, x0, topo, outer_lr, mu):
       assert len(group) == 2
       mean_phi = phi[group].mean(axis=0)
       mean_step = (theta[group] - phi[group]).mean(axis=0)
-      mom[i] = mu * mom[i] + outer_lr * mean_step + outer_lr * (mean_phi - phi[i])
-      new_phi[i] = phi[i] + mom[i]
+      if schedule is None:
+        lr = outer_lr(t) if callable(outer_lr) else outer_lr  # the authors' form: each round's rate on its term
+        mom[i] = mu * mom[i] + lr * mean_step + lr * (mean_phi - phi[i])
+        new_phi[i] = phi[i] + mom[i]
+      else:
+        mom[i] = mu * mom[i] + (phi[i] - mean_phi) - mean_step
+        new_phi[i] = phi[i] - schedule(t) * mom[i]
     phi, theta = new_phi, new_phi.copy()
     out[t * H + H - 1] = theta
   return out
@@ -135,6 +144,25 @@ def test_noloco_matches_the_authors_rule():
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
   np.testing.assert_allclose(state.anchor, got[-1], rtol=0, atol=1e-12)
   assert np.ptp(got[-1], axis=0).max() > 1e-3  # no all-reduce: the nodes are close, not equal
+
+
+def test_noloco_with_a_schedule_computes_the_documented_recurrence():
+  a, b, noise, x0 = problem()
+  topo = T.random_pairs(N, seed=3, period=ROUNDS)
+  schedule = lambda r: 0.7 * 0.5 ** r
+  got, _ = run_library(gj.noloco(adamw(), topo, inner_steps=H, outer_learning_rate=schedule), a, b, noise, x0)
+  want = noloco_numpy(a, b, noise, x0, topo, outer_lr=None, mu=0.5, schedule=schedule)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+  authors = noloco_numpy(a, b, noise, x0, topo, outer_lr=schedule, mu=0.5)  # a per-round eta transcription differs
+  assert np.abs(got[-1] - authors[-1]).max() > 1e-3
+
+
+def test_main_jobs_noloco_draws_a_fresh_matching_every_round():
+  from gossipjax.cli import noloco_pairs
+
+  topo = noloco_pairs(8, steps=500, inner_steps=10)  # 50 rounds
+  matchings = {tuple(np.argmax(topo.matrix(r) - 0.5 * np.eye(8), axis=1)) for r in range(50)}
+  assert topo.period >= 50 and len(matchings) > 40  # 105 matchings of 8 nodes: a few repeat by chance
 
 
 def test_outer_sgd_with_rate_one_is_periodic_averaging_of_the_inner_optimizer():

@@ -40,7 +40,8 @@ BAD_OPTIONS = [
     (["--lr", "inf"], "argument --lr: inf is out of range"),
     (["--beta", "1"], "argument --beta: 1.0 is out of range; it must be a number in [0, 1)"),
     (["--batch-size", "x"], "argument --batch-size: 'x' is not an integer"),
-    (["--steps", "30"], "argument --steps: 30 must be a multiple of --log-every (25)"),
+    (["--algorithms", "noloco", "--topologies", "ring,exponential"], "argument --topologies: no run is left, every "
+     "algorithm is skipped on ring, exponential (noloco/ring: gj.noloco: topology must pair the nodes"),
     (["--checkpoint-every", "30"], "argument --checkpoint-every: 30 must be a multiple of --log-every (25)"),
     (["--topologies", "hypercube", "--nodes", "12", "--steps", "25"], "argument --topologies: hypercube on --nodes 12"),
     (["--devices", "2"], "argument --devices: only the sharded backend takes it"),
@@ -153,6 +154,11 @@ def test_exact_methods_skip_a_directed_graph_saying_why():
   assert [r.name for r in runs] == ["dpsgd/exponential"]
   assert set(skipped) == {"exact_diffusion/exponential", "extra/exponential"}
   assert all("needs a symmetric W" in why and "gj.gradient_tracking" in why for why in skipped.values())
+  args = cli.build_parser().parse_args(["train", "--nodes", "8", "--algorithms", "noloco,dpsgd", "--topologies",
+                                        "ring,random_pairs"])
+  runs, _, skipped = cli._build_runs(args, gj.backend.simulate())  # noloco runs on the pairing it is given
+  assert [r.name for r in runs] == ["noloco/random_pairs", "dpsgd/ring", "dpsgd/random_pairs"]
+  assert "use gj.topology.random_pairs(8)" in skipped["noloco/ring"]
 
 
 def test_plot_legend_gives_each_algorithm_its_real_momentum():
@@ -161,3 +167,24 @@ def test_plot_legend_gives_each_algorithm_its_real_momentum():
   assert _label({"algorithm": "dpsgd", "beta": 0.9}) == "dpsgd (β = 0)"
   assert _label({"algorithm": "dmsgd", "beta": 0.9}) == "dmsgd (β = 0.9)"
   assert _label({"algorithm": "gradient_tracking", "beta": 0.9}) == "gradient_tracking"
+  assert _label({"algorithm": "noloco", "beta": 0.9, "outer_momentum": 0.5}) == "noloco (outer μ = 0.5, inner b1 = 0.9)"
+
+
+@pytest.mark.slow
+def test_outer_methods_log_at_round_ends_with_their_own_rate_and_a_last_row_at_steps(tmp_path, capsys):
+  import gossipjax as gj
+
+  cli.main(["train", "--steps", "6", "--log-every", "4", "--nodes", "2", "--no-progress", "--out", str(tmp_path),
+            "--algorithms", "diloco", "--inner-steps", "2", "--batch-size", "4"])
+  run = json.loads((tmp_path / "metrics.json").read_text())["runs"]["diloco"]
+  assert [h["step"] for h in run["history"]] == [4, 6]  # a last row at --steps
+  assert all(h["consensus_distance"] < 1e-10 for h in run["history"])  # rows end rounds
+  assert (run["config"]["learning_rate"], run["config"]["outer_momentum"]) == (3e-3, 0.9)
+  args = cli.build_parser().parse_args(["train", "--algorithms", "noloco,dmsgd", "--inner-steps", "10"])
+  cli._check_args(args)
+  assert args.log_every == 20 and "warning" not in capsys.readouterr().err  # the multiple of 10 nearest 25
+  runs, _, _ = cli._build_runs(args, gj.backend.simulate())
+  assert [(r.name, r.learning_rate, r.outer_momentum) for r in runs][:2] == [("noloco/random_pairs", 3e-3, 0.5),
+                                                                            ("dmsgd/ring", 0.1, None)]
+  cli._check_args(cli.build_parser().parse_args(["train", "--algorithms", "diloco", "--log-every", "25"]))
+  assert "--log-every 25 is not a multiple of --inner-steps 10" in capsys.readouterr().err

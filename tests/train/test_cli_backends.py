@@ -10,7 +10,7 @@ from _launch import run as run_command
 
 ARGS = ["train", "--nodes", "8", "--steps", "50", "--log-every", "25", "--no-progress", "--checkpoint-every", "0",
         "--algorithms", "dmsgd,gradient_tracking,diloco,noloco", "--inner-steps", "5", "--topologies",
-        "ring,one_peer_exponential"]
+        "ring,one_peer_exponential,random_pairs"]
 
 
 def _launch(cmd, timeout):
