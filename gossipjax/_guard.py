@@ -230,8 +230,9 @@ def guard_finite(inner: optax.GradientTransformation,
 
   def init_fn(params):
     n = _num_nodes(params, "params")
-    zeros = jnp.zeros([], jnp.int32) if n is None else follow_placement(jnp.zeros((n,), jnp.int32), params)
-    return GuardFiniteState(inner.init(params), zeros, zeros, jnp.asarray(max_consecutive, jnp.int32))
+    # Two buffers, not one array twice: a jitted step may donate the whole state.
+    zeros = lambda: jnp.zeros([], jnp.int32) if n is None else follow_placement(jnp.zeros((n,), jnp.int32), params)
+    return GuardFiniteState(inner.init(params), zeros(), zeros(), jnp.asarray(max_consecutive, jnp.int32))
 
   def update_fn(updates, state, params=None, **extra_args):
     grads = updates  # optax's name for the incoming tree; the guard checks gradients
@@ -290,7 +291,7 @@ def nonfinite_counts(state: Any) -> np.ndarray:
 
   Example:
     >>> import jax.numpy as jnp, optax, gossipjax as gj
-    >>> tx = optax.chain(optax.scale(2.0), gj.guard_finite(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1)))
+    >>> tx = gj.chain(optax.scale(2.0), gj.guard_finite(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1)))
     >>> x = jnp.zeros((4, 1))
     >>> state = tx.init(x)
     >>> for g in (jnp.ones((4, 1)).at[2].set(jnp.nan), jnp.ones((4, 1)).at[2:].set(jnp.inf)):

@@ -11,6 +11,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from gossipjax._axis import AXIS, Mapping, mapped, mapping
+from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._sharded import conform, leaf_spec
 from gossipjax.mixing import follow_placement, resolve_backend
 from gossipjax.mixing._named import varies_over_nodes
@@ -104,7 +105,9 @@ def node_mean(tree: Any) -> Any:
     ([1.0, 3.0], 3, ())
   """
   _node_leaves(tree, "gj.node_mean")
-  return jax.tree.map(lambda x: jnp.mean(x, axis=0).astype(x.dtype) if _is_float(x) else x[0], tree)
+  # Scaled before the sum, so nodes near the dtype's largest value keep a finite mean.
+  mean = lambda x: jnp.sum(mean_terms(x, x.shape[0]), axis=0).astype(x.dtype)
+  return jax.tree.map(lambda x: mean(x) if _is_float(x) else x[0], tree)
 
 
 def consensus_distance(tree: Any) -> jax.Array:
@@ -146,8 +149,8 @@ def consensus_distance(tree: Any) -> jax.Array:
 
   def leaf(x):
     x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    d = x - jnp.mean(x, axis=0, keepdims=True)
-    return (jnp.sum(jnp.real(d * jnp.conj(d))) / x.shape[0]).astype(dtype)
+    d = x - jnp.sum(mean_terms(x, x.shape[0]), axis=0, keepdims=True)
+    return jnp.sum(jnp.real(d * jnp.conj(d)) / x.shape[0]).astype(dtype)
 
   return sum((leaf(x) for x in floats), start=jnp.zeros([], dtype))
 
@@ -418,7 +421,12 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
     if mapping() is not None:
       return inner.init(params)
     params = _materialize(params)
-    return init_state(params, _leading(params, where))
+    n = _leading(params, where)
+    try:
+      return init_state(params, n)
+    except TypeError as e:
+      raise TypeError(f"{where}: the state of this transform cannot be stacked over nodes ({str(e).splitlines()[0]}); "
+                      "a transform mapped over nodes needs a state whose leaves are arrays") from e
 
   def state_axes(state, params, n):
     full = jax.eval_shape(lambda p: run(inner.init, 0, 0, (p,), n), params)

@@ -220,3 +220,44 @@ def test_mapped_chain_on_8_devices_holds_only_the_gossip_collectives():
   text = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
   ops = set(re.findall(r"\b(all-reduce|all-gather|collective-permute|all-to-all)(?:-start)?\(", text))
   assert ops == {"collective-permute"}, ops
+
+
+def test_guard_state_donates_and_eager_sharded_steps_compile_once():
+  be = _backend("sharded")
+  tx = gj.chain(optax.clip_by_global_norm(1.0), gj.guard_finite(gj.gossip_sgd(W, learning_rate=0.1, backend=be)),
+                backend=be)
+  params, grads = _params_and_grads(5)
+  params = be.shard(params)
+  # Every buffer of the state is its own, so a jitted step may donate all of it (stacked and mapped).
+  stacked = gj.guard_finite(gj.gossip_sgd(W, learning_rate=0.1, backend=be))
+  for form in (stacked, tx):
+    jax.jit(form.update, donate_argnums=(1,))(grads[0], form.init(params), params)
+  state = tx.init(params)
+  u, state = jax.jit(tx.update)(grads[0], state, params)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, _secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+  for k in range(4):  # called eagerly: the mapped transform compiles its program once, not at every step
+    u, state = tx.update(grads[k % 3], state, params)
+  first = len(compiles)
+  for k in range(4):
+    u, state = tx.update(grads[k % 3], state, params)
+  assert len(compiles) == first, compiles[first:]
+
+
+def test_abstract_init_on_the_sharded_backend_keeps_the_placement():
+  be = _backend("sharded")
+  params = be.shard(_params_and_grads()[0])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+  for make in (lambda: gj.per_node(optax.adam(0.1), backend=be), lambda: gj.extra(W, learning_rate=0.1, backend=be),
+               lambda: gj.exact_diffusion(W, learning_rate=0.1, backend=be),
+               lambda: gj.chain(optax.adam(0.1), gj.mix(W, backend=be), backend=be)):
+    state = make().init(abstract)
+    for x in jax.tree.leaves(state):
+      if x.ndim and x.shape[0] == N:
+        assert x.sharding.spec[0] == "nodes", (make, x.sharding)
+
+
+def test_node_mean_scales_before_it_sums():
+  x = jnp.full((4, 3), 1e38, jnp.float32)
+  assert bool(jnp.isfinite(gj.node_mean(x)).all()) and float(gj.consensus_distance(x)) == 0.0

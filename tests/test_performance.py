@@ -174,8 +174,10 @@ def test_benchmark_suite_quick(tmp_path):
   out = tmp_path / "results.json"
   bench_main.main(["--quick", "--no-torch", "--json", str(out),
                    "--only", "optimizer_bandwidth", "dmsgd_step", "memory", "compile_time", "throughput",
-                   "node_parallel", "resnet20_gpu"])
+                   "node_parallel", "named_axis", "resnet20_gpu"])
   r = json.loads(out.read_text())["benchmarks"]
+  assert set(r["named_axis"]["update_ms"]) == {"stacked", "chain(method)", "chain(trace, lr, mix)", "rolls"}
+  assert all(v > 0 for v in r["named_axis"]["update_ms"].values())
   assert set(r["optimizer_bandwidth"]["fraction_of_copy_bandwidth"]) >= {
       "gossipjax_ring(8)", "gossipjax_one_peer_exponential(8)", "hand_fused_ring", "no_mixing_floor"}
   assert all(v > 0 for v in r["optimizer_bandwidth"]["fraction_of_copy_bandwidth"].values())

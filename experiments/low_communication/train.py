@@ -5,7 +5,7 @@ data, no network), split over the nodes with a Dirichlet label skew. Every metho
 AdamW with the same learning rate on every node; they differ in what crosses the network:
 
 - ``allreduce_adamw``: every step, an all-reduce of the gradients, then AdamW (one model);
-- ``dpsgd_adamw``: AdamW, then one gossip round (``optax.chain(adamw, gj.mix(W))``) every step;
+- ``dpsgd_adamw``: AdamW, then one gossip round (``gj.chain(adamw, gj.mix(W))``) every step;
 - ``dsgd_pga_adamw``: the same, plus a global average every H steps (``gj.periodic_average``);
 - ``diloco``: H AdamW steps per node, then an all-reduce and the outer Nesterov step (`gj.diloco`);
 - ``noloco``: H AdamW steps per node, then one exchange with a random peer and NoLoCo's outer
@@ -48,9 +48,9 @@ def make_method(name: str, config) -> optax.GradientTransformation:
     backend = gj.backend.simulate()
     return optax.chain(optax.stateless(lambda grads, params: backend.mean(grads)), adamw())
   if name == "dpsgd_adamw":
-    return optax.chain(adamw(), gj.mix(gossip))
+    return gj.chain(adamw(), gj.mix(gossip))
   if name == "dsgd_pga_adamw":
-    return optax.chain(adamw(), gj.mix(gossip), gj.periodic_average(h))
+    return gj.chain(adamw(), gj.mix(gossip), gj.periodic_average(h))
   if name == "diloco":
     lr, mu = config.diloco_outer
     return gj.diloco(adamw(), inner_steps=h, outer_learning_rate=lr, outer_momentum=mu)

@@ -36,8 +36,8 @@ def copy_of(params: Any, dtype: Any = None) -> Any:
   ``dtype`` (a method's ``state_dtype``) stores the copy in that dtype; ``None`` keeps each leaf's.
   """
   def copy(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return jnp.zeros(x.shape, dtype or x.dtype)
+    if isinstance(x, jax.ShapeDtypeStruct):  # placed as the struct says (a sharded node axis stays sharded)
+      return jnp.zeros(x.shape, dtype or x.dtype, device=x.sharding)
     return jnp.array(x, dtype=dtype, copy=True)
 
   return jax.tree.map(copy, params)

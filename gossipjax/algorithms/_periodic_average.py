@@ -53,7 +53,7 @@ def periodic_average(every: int, *, backend: Backend | None = None) -> optax.Gra
     round, then the average):
 
     >>> import jax.numpy as jnp, optax, gossipjax as gj
-    >>> tx = optax.chain(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1), gj.periodic_average(2))
+    >>> tx = gj.chain(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1), gj.periodic_average(2))
     >>> x = jnp.arange(4.0)[:, None]
     >>> state = tx.init(x)
     >>> for _ in range(2):

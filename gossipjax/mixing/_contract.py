@@ -15,6 +15,7 @@ import optax
 
 from gossipjax.backend import Backend, Mixer, simulate
 from gossipjax.backend._base import current
+from gossipjax._axis import mapping
 from gossipjax.mixing._named import NodeMixer
 from gossipjax.topology import as_topology
 from gossipjax.topology._topology import Stochasticity
@@ -140,6 +141,7 @@ def float_leaves_only(tx: optax.GradientTransformation,
 
   def update_fn(updates, state, params=None, **extra_args):
     like = updates if params is None else params
+    _check_state(state, like)
     if all_float(like):
       return tx.update(updates, state, params, **extra_args)
     new, state = tx.update(mask(updates, like), state, None if params is None else mask(params, like), **extra_args)
@@ -150,5 +152,15 @@ def float_leaves_only(tx: optax.GradientTransformation,
       return old if keep_other_updates else jnp.zeros_like(p)
 
     return jax.tree.map(fill, like, new, updates), state
+
+  def _check_state(state, like):
+    """A state made by another transform's ``init`` is refused in one line (not an AttributeError later)."""
+    if mapping() is not None:
+      return  # gj.nodes has checked the whole state
+    made = jax.eval_shape(init_fn, like)
+    if jax.tree.structure(state) != jax.tree.structure(made):
+      raise ValueError(f"gj: the state passed to update is a {type(state).__name__} that this transform's init did "
+                       f"not make (it makes a {type(made).__name__} of another structure); pass the state that "
+                       "tx.init returned")
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

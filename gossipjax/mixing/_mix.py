@@ -61,7 +61,7 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
 
   Example:
     >>> import jax.numpy as jnp, optax, gossipjax as gj
-    >>> tx = optax.chain(optax.sgd(0.1), gj.mix(gj.topology.ring(4)))
+    >>> tx = gj.chain(optax.sgd(0.1), gj.mix(gj.topology.ring(4)))
     >>> x = jnp.arange(4.0)[:, None]
     >>> u, _ = tx.update(jnp.zeros_like(x), tx.init(x), x)
     >>> [round(float(v), 4) for v in (x + u).ravel()]  # each node: mean of itself and its two ring neighbours

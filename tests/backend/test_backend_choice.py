@@ -29,7 +29,7 @@ def test_transforms_built_in_a_use_block_take_its_backend(sharded):
   text = jax.jit(lambda p, s: tx.update(p, s, p)).lower(x, tx.init(x)).compile().as_text()
   assert "collective-permute" in text and "all-reduce" not in text and "all-gather" not in text
   with gj.backend.use(sharded):  # an explicit backend= still wins
-    assert gj.mixing.make_mixer(T.ring(4), gj.backend.simulate()).__class__.__name__ == "SimulateMixer"
+    assert gj.mixing.make_mixer(T.ring(4), gj.backend.simulate()).stacked.__class__.__name__ == "SimulateMixer"
 
 
 @dataclasses.dataclass(frozen=True)
