@@ -5,6 +5,7 @@ leading node axis; a topology (the mixing matrix W) says who averages with whom.
 """
 
 from gossipjax import algorithms, asynchrony, backend, checkpoint, compress, data, mixing, topology
+from gossipjax.backend._traffic import bytes_per_step
 from gossipjax._guard import GuardFiniteState, SkipNodes, check_guard, guard_finite, nonfinite_counts, zero_skipped
 from gossipjax._nodes import (
     chain,
@@ -65,6 +66,7 @@ __all__ = (
     "SkipNodes",
     "algorithms",
     "allreduce_sgd",
+    "bytes_per_step",
     "asynchrony",
     "backend",
     "chain",

@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="a new job into an --out that holds another job's files: remove what that job recorded "
                       "writing first, nothing else")
   t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  t.add_argument("--x-axis", choices=["step", "bytes"], default="step",
+                 help="plot.png against the step, or against the MB each node has sent (every metrics row's "
+                      "bytes_sent: compact messages as sent, an all-reduce counted as a ring all-reduce sends it)")
   t.add_argument("--checkpoint-every", type=_integer(0, "a non-negative integer"), default=0,
                  help="save each run's full state in OUT/checkpoints every this many steps (a multiple of "
                       "--log-every), for --resume; 0: never")
@@ -444,7 +447,8 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
         bar.update(state.step)
       try:
         _, history, seconds = timed_run(cfg, dataset, model, tx, progress=bar.update, state=state or fresh,
-                                        on_chunk=lambda st, rows: ckpt.save(st, previous + rows), backend=backend)
+                                        on_chunk=lambda st, rows: ckpt.save(st, previous + rows), backend=backend,
+                                        sent_before=previous[-1].get("bytes_sent", 0.0) if previous else 0.0)
       except FloatingPointError as e:
         error = JobError(f"{cfg.name}: {e}; try a smaller --lr")
         error.quiet = comm is not None and not placement.is_main  # every rank raises it together
@@ -461,7 +465,7 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
   where = (f"{args.backend} on {placement.num_devices} {placement.unit}" if placement.num_devices > 1
            else args.backend)
   plot(plot_path, results, title=f"{args.nodes} nodes, {args.model} on digits, {args.partition} partition, "
-                                 f"{where} ({jax.default_backend()})")
+                                 f"{where} ({jax.default_backend()})", x=args.x_axis)
   print(result_table(results))
   for name, reason in skipped.items():
     print(f"skipped {name}: {reason}")

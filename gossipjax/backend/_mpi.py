@@ -19,6 +19,7 @@ from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, Exchange, StepTable, check_bucket_bytes,
                                        Wire, check_divisible, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.backend._precision import mean_terms
+from gossipjax.backend._traffic import note_gossip, note_mean
 from gossipjax.topology import Topology
 
 INSTALL_HINT = (
@@ -158,6 +159,7 @@ class MpiMixer:
     def reduce(partial: jax.Array) -> jax.Array:
       return mpi4jax.allreduce(partial, op=MPI.SUM, comm=comm)
 
+    note_gossip(self.topology, tree, step, wire, self.first_node())
     return mix_blocks(self.plans, tree, step, rank, exchange, reduce, self.bucket_bytes, self.table, wire)
 
 
@@ -229,6 +231,7 @@ class Mpi:
       raise ValueError(f"gj.backend.mpi().mean on rank {self.rank}: every leaf needs the same leading node axis "
                        f"(this rank's block of nodes), got leaves of shapes {[tuple(jnp.shape(x)) for x in leaves]}")
     count = int(_host_comm(self.comm).allreduce(blocks.pop()))
+    note_mean(tree, count)
 
     def leaf(x):
       total = mpi4jax.allreduce(jnp.sum(mean_terms(x, count), axis=0, keepdims=True), op=MPI.SUM, comm=self.comm)

@@ -12,6 +12,7 @@ from jax import lax
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import mean_terms
+from gossipjax.backend._traffic import note_gossip, note_mean
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
                                        Wire, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
@@ -48,6 +49,7 @@ class PmappedMixer:
       del x
       return lax.ppermute(send, axis, perm=ex.pairs)
 
+    note_gossip(self.topology, tree, step, wire, self.first_node())
     return mix_blocks(self.plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis),
                       self.bucket_bytes, self.table, wire)
 
@@ -96,6 +98,9 @@ class Pmapped:
       total = lax.psum(jnp.sum(mean_terms(x, n), axis=0, keepdims=True), self.axis_name)
       return jnp.broadcast_to(total.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else total, x.shape)
 
+    leaves = jax.tree.leaves(tree)
+    if leaves and jnp.ndim(leaves[0]):
+      note_mean(tree, jnp.shape(leaves[0])[0] * lax.axis_size(self.axis_name))
     return jax.tree.map(leaf, tree)
 
   def local_nodes(self, num_nodes: int) -> int:

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
 from gossipjax.backend._precision import mean_terms
+from gossipjax.backend._traffic import note_gossip, note_mean
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
                                        Wire, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
@@ -115,6 +116,7 @@ class ShardedMixer:
     return 0
 
   def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
+    note_gossip(self.topology, tree, step, wire, 0)
     axis, plans = self.axis, self.plans
 
     def exchange(ex, send, x):
@@ -277,6 +279,8 @@ class Sharded:
 
   def mean(self, tree: Any) -> Any:
     axis = self.axis
+    leaves = jax.tree.leaves(tree)
+    note_mean(tree, jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else 1)
 
     def body(x):  # scaled before the sums (see `mean_terms`), which then cannot overflow
       n = x.shape[0] * lax.axis_size(axis)

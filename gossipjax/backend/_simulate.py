@@ -14,6 +14,7 @@ from jax import lax
 from gossipjax.backend._base import node_sharding
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import accumulation_dtype, mean_terms
+from gossipjax.backend._traffic import note_gossip, note_mean
 from gossipjax.backend._table import mix_from_table, plan_table
 from gossipjax.topology import MixingPlan, Topology
 
@@ -97,6 +98,7 @@ class SimulateMixer:
     return 0
 
   def mix(self, tree: Any, step: jax.Array | int = 0, wire: Any = None) -> Any:
+    note_gossip(self.topology, tree, step, wire, 0)  # the compact form is what would cross
     del wire  # every node is here: the dense rows are mixed, and a compact form has nothing to cross
     warn_if_placed(tree, self.topology.name)
     plans = self.topology.plans()
@@ -138,6 +140,8 @@ class Simulate:
 
   def mean(self, tree: Any) -> Any:
     """Every node gets the average over the node axis, scaled before it is summed (see `mean_terms`)."""
+    leaves = jax.tree.leaves(tree)
+    note_mean(tree, jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else 1)
 
     def leaf(x):
       total = jnp.sum(mean_terms(x, x.shape[0]), axis=0, keepdims=True)

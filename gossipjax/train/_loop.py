@@ -14,6 +14,7 @@ import optax
 from jax import lax
 
 from gossipjax.backend import Backend, simulate
+from gossipjax.backend._traffic import Traffic, counting
 from gossipjax._guard import check_guard, guard_finite, nonfinite_counts
 from gossipjax._nodes import check_finite, consensus_distance, init_nodes, node_mean
 from gossipjax.data import Dataset, node_data, partition_by_class, partition_dirichlet, partition_iid, sample_batches
@@ -227,6 +228,7 @@ def run(
     state: TrainState | None = None,
     on_chunk: Callable[[TrainState, list[dict[str, float]]], None] | None = None,
     backend: Backend | None = None,
+    sent_before: float = 0.0,
 ) -> tuple[TrainState, list[dict[str, float]]]:
   """Trains ``cfg.num_nodes`` stacked copies of ``model`` with ``tx`` and logs metrics.
 
@@ -250,13 +252,18 @@ def run(
     backend: where the nodes live (default: ``gj.backend.simulate()``). Gradients run
       through ``backend.map``, so each device or rank computes only its own nodes; the
       metrics are of all n nodes on every backend.
+    sent_before: the bytes each node had sent before ``state`` (a resumed run's last row's
+      ``bytes_sent``).
 
   Returns:
     The final state (this process's nodes) and one metrics row per ``cfg.log_every`` steps
     and one at ``cfg.steps``:
     ``step``, ``train_loss`` (mean over nodes and the chunk), ``consensus_distance``,
     ``test_loss`` and ``test_accuracy`` of the mean model, ``node_accuracy_mean`` and
-    ``node_accuracy_min`` over the nodes' own models, and ``skipped_node_steps``.
+    ``node_accuracy_min`` over the nodes' own models, ``skipped_node_steps``, and
+    ``bytes_sent``: the bytes each node has sent since step 0, on average over the nodes, as
+    `gj.bytes_per_step` counts them (compact messages as sent, an all-reduce as a ring
+    all-reduce sends it; the same on every backend, of this rank's nodes under MPI).
 
   Raises:
     FloatingPointError: a node skipped ``cfg.max_bad_steps`` steps in a row, or the
@@ -313,16 +320,21 @@ def run(
 
   history = []
   params, opt_state, step = state.params, state.opt_state, state.step
+  traffic = Traffic()
+  local_nodes = next((jnp.shape(x)[0] for x in jax.tree.leaves(params) if jnp.ndim(x)), 1)
   while step < cfg.steps:
     length = min(cfg.log_every, cfg.steps - step)  # the last chunk ends at cfg.steps
-    params, opt_state, node_losses = chunk(params, opt_state, jnp.asarray(step, jnp.int32), length)
+    with counting(traffic):  # the chunk, traced here, counts the bytes its exchanges send as it runs
+      params, opt_state, node_losses = chunk(params, opt_state, jnp.asarray(step, jnp.int32), length)
     step += length
     placement.check_together(check_guard, opt_state, step, placement.first_node)
     all_params = placement.gather(params)
     placement.check_together(check_finite, all_params, step)
     metrics = evaluate(all_params, placement.gather(node_losses))
     skipped = placement.total(nonfinite_counts(opt_state).sum())
-    history.append({"step": step, **{k: float(v) for k, v in metrics.items()}, "skipped_node_steps": skipped})
+    jax.effects_barrier()
+    history.append({"step": step, **{k: float(v) for k, v in metrics.items()}, "skipped_node_steps": skipped,
+                    "bytes_sent": sent_before + traffic.total / local_nodes})
     state = TrainState(step, params, opt_state)
     if on_chunk is not None:
       on_chunk(state, history)

@@ -91,8 +91,8 @@ def _label(config: dict[str, Any]) -> str:
   return f"{algorithm} (β = {beta:g})"
 
 
-def plot(path: str, results: dict[str, dict[str, Any]], title: str = "") -> None:
-  """Training loss, consensus distance and test accuracy of the mean model, per step.
+def plot(path: str, results: dict[str, dict[str, Any]], title: str = "", x: str = "step") -> None:
+  """Training loss, consensus distance and test accuracy of the mean model, per step or per byte sent.
 
   One colour per algorithm (its legend entry gives the momentum it runs with) and one line
   style per topology. Runs at exact consensus (AllReduce) are left off the consensus panel's
@@ -103,6 +103,8 @@ def plot(path: str, results: dict[str, dict[str, Any]], title: str = "") -> None
     results: ``{run name: {"history": metrics rows of `run`, "config": RunConfig as a
       dict}}``; without a config, the run's name stands for its algorithm.
     title: the figure's title.
+    x: the x-axis: ``"step"``, or ``"bytes"``, the MB each node has sent (the rows'
+      ``bytes_sent``), to compare methods at equal communication.
 
   Returns:
     None.
@@ -133,7 +135,7 @@ def plot(path: str, results: dict[str, dict[str, Any]], title: str = "") -> None
   for name, r in results.items():
     c = configs[name]
     look = {"color": colours[c["algorithm"]], "linestyle": styles.get(c.get("topology"), "-"), "linewidth": 1.6}
-    steps = [h["step"] for h in r["history"]]
+    steps = [h["step"] if x == "step" else h.get("bytes_sent", 0.0) / 1e6 for h in r["history"]]
     axes[0].plot(steps, [h["train_loss"] for h in r["history"]], **look)
     distance = [h["consensus_distance"] for h in r["history"]]
     if max(distance) < EXACT_CONSENSUS:
@@ -141,12 +143,13 @@ def plot(path: str, results: dict[str, dict[str, Any]], title: str = "") -> None
     else:
       axes[1].plot(steps, [max(d, EXACT_CONSENSUS) for d in distance], **look)
     axes[2].plot(steps, [h["test_accuracy"] for h in r["history"]], **look)
-  axes[0].set(yscale="log", xlabel="step", ylabel="training loss (mean over nodes)")
-  axes[1].set(yscale="log", xlabel="step", ylabel="consensus distance  1/n sum ||x_i - x̄||²")
+  xlabel = "step" if x == "step" else "MB sent per node (an all-reduce as a ring sends it)"
+  axes[0].set(yscale="log", xlabel=xlabel, ylabel="training loss (mean over nodes)")
+  axes[1].set(yscale="log", xlabel=xlabel, ylabel="consensus distance  1/n sum ||x_i - x̄||²")
   if exact:
     axes[1].text(0.98, 0.98, f"not drawn (exact consensus, < {EXACT_CONSENSUS:g}):\n" + ", ".join(exact),
                  transform=axes[1].transAxes, ha="right", va="top", fontsize=8, color="0.35")
-  axes[2].set(xlabel="step", ylabel="test accuracy of the mean model")
+  axes[2].set(xlabel=xlabel, ylabel="test accuracy of the mean model")
   for ax in axes:
     ax.grid(alpha=0.3)
   handles = [Line2D([], [], color=colours[a], linewidth=2,

@@ -175,9 +175,11 @@ def test_outer_methods_log_at_round_ends_with_their_own_rate_and_a_last_row_at_s
   import gossipjax as gj
 
   cli.main(["train", "--steps", "6", "--log-every", "4", "--nodes", "2", "--no-progress", "--out", str(tmp_path),
-            "--algorithms", "diloco", "--inner-steps", "2", "--batch-size", "4"])
+            "--algorithms", "diloco", "--inner-steps", "2", "--batch-size", "4", "--x-axis", "bytes"])
   run = json.loads((tmp_path / "metrics.json").read_text())["runs"]["diloco"]
   assert [h["step"] for h in run["history"]] == [4, 6]  # a last row at --steps
+  model = (64 * 64 + 64 + 64 * 10 + 10) * 4  # the MLP in float32; a ring all-reduce over 2 nodes sends it once
+  assert [h["bytes_sent"] for h in run["history"]] == [2 * model, 3 * model]  # one all-reduce per round
   assert all(h["consensus_distance"] < 1e-10 for h in run["history"])  # rows end rounds
   assert (run["config"]["learning_rate"], run["config"]["outer_momentum"]) == (3e-3, 0.9)
   args = cli.build_parser().parse_args(["train", "--algorithms", "noloco,dmsgd", "--inner-steps", "10"])
