@@ -13,6 +13,10 @@ sizes, writes only where ``--json`` says). The parts, on 8 XLA CPU devices
 - ``compression``: ``gj.choco_sgd`` on ring(16) with each compressor on a ResNet-20's params: the bytes a
   device receives per exchange and node, from the compiled program, next to ``compressor.bits`` and the
   dense size;
+- ``hierarchical``: ``gj.gossip_sgd`` on ``gj.backend.hierarchical(D)``, D = 2 and 4, ResNet-20 params on a
+  ring of the 8 / D nodes under jit: collective-permutes, all-gathers, and the bytes the permutes move between
+  devices of different nodes per neighbour, over the model's bytes (float32: XLA:CPU compiles a bfloat16
+  permute as float32, so CPU HLO would count a bf16 model's bytes twice);
 - ``period``: compile time of ``random_pairs(8, period=P)``, sharded against simulated;
 - ``mpi``: a jitted MPI gossip round (``mixer.mix``) of a ResNet-20's params on a ring of 4 ranks
   (``mpiexec -n 4``, launched with ``gj.backend.mpi_launch_env``), fused against per leaf: ms per
@@ -50,7 +54,7 @@ from benchmarks import _timing  # noqa: E402
 
 gj.backend.reserve_cpu_threads()  # before JAX's first computation: threads for collectives over 8 CPU devices
 
-PARTS = ("leaves", "compression", "period", "mpi", "gpu")
+PARTS = ("leaves", "compression", "hierarchical", "period", "mpi", "gpu")
 DEVICES = 8
 NODES = 16
 PER_LEAF = 1  # bucket_bytes=1: every leaf is a bucket of its own, one message per leaf
@@ -147,6 +151,54 @@ def against_leaves(quick: bool) -> dict:
       rows.append(row)
   return {"devices": DEVICES, "nodes": NODES, "floats_per_node": floats, "dtype": "float32",
           "default_bucket_bytes": DEFAULT_BUCKET, "best_of": reps, "rows": rows}
+
+
+def _node_link_bytes(compiled_text: str, devices_per_node: int) -> tuple[int, int, int]:
+  """Collective-permutes, all-gathers, and the bytes the permutes move between devices of different nodes.
+
+  A permute moves its result's bytes once per ``{source,target}`` pair; devices ``d`` and ``e``
+  are one node's where ``d // devices_per_node == e // devices_per_node`` (`gj.backend.hierarchical`
+  groups devices in order). Bytes as the CPU program's types say (see the page on bf16).
+  """
+  count, between = 0, 0
+  for line in compiled_text.split("\n"):
+    shape = re.search(r"= (\w+)\[([\d,]*)\]\{[^}]*\} collective-permute(?:-start)?\(", line)
+    if not shape:
+      continue
+    count += 1
+    size = int(np.prod([int(d) for d in shape.group(2).split(",") if d])) * _ITEMSIZE[shape.group(1)]
+    pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])
+    between += size * sum(int(s) // devices_per_node != int(t) // devices_per_node for s, t in pairs)
+  gathers = len(re.findall(r"\ball-gather(?:-start)?\(", compiled_text))
+  return count, gathers, between
+
+
+def hierarchical_round(quick: bool) -> dict:
+  """``gj.gossip_sgd`` on ``gj.backend.hierarchical(D)`` under jit: permutes, and bytes between nodes per neighbour."""
+  rows = []
+  for per_node in (2, 4):
+    be = gj.backend.hierarchical(per_node, devices=jax.devices("cpu")[:DEVICES])
+    n = DEVICES // per_node
+    topo = gj.topology.ring(n)
+    host = split_tree(n, 1_000, 10) if quick else resnet20_tree(n)
+    params = be.shard(host)
+    tx = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1, backend=be)
+    update = jax.jit(lambda p, s, tx=tx: tx.update(p, s, p))
+    hlo = update.lower(params, tx.init(params)).compile().as_text()
+    count, gathers, between = _node_link_bytes(hlo, per_node)
+    w = topo.matrix()
+    neighbours = int(np.count_nonzero(w - np.diag(np.diag(w))))  # directed node pairs that exchange
+    model = _timing.tree_bytes(jax.tree.map(lambda v: v[0], host))
+    sim = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1)
+    want, _ = sim.update(host, sim.init(host), host)
+    got, _ = update(params, tx.init(params))
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    rows.append({"devices_per_node": per_node, "nodes": n, "topology": f"ring({n})",
+                 "exchanges": len(be.mixer(topo).plans[0].exchanges), "permutes": count, "all_gathers": gathers,
+                 "bytes_between_nodes": between, "neighbour_links": neighbours, "model_bytes": model,
+                 "per_neighbour_over_model": between / neighbours / model, "max_abs_diff_vs_simulation": diff})
+  return {"devices": DEVICES, "model": "10 leaves of 100 float32" if quick else "ResNet-20",
+          "leaves": len(jax.tree.leaves(host)), "rows": rows}
 
 
 def compressors() -> dict:
@@ -299,7 +351,7 @@ def run(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict:
     raise RuntimeError(f"benchmarks.communication needs {DEVICES} CPU devices; start Python with "
                        f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}")
   measure = {"leaves": against_leaves, "compression": against_compression, "period": against_period,
-             "mpi": mpi_round, "gpu": gpu_step}
+             "hierarchical": hierarchical_round, "mpi": mpi_round, "gpu": gpu_step}
   out = {}
   for part in parts:
     t0 = time.perf_counter()
@@ -341,6 +393,15 @@ def table(r: dict) -> list[str]:
     for row in p["rows"]:
       lines.append(f"  {row['compressor']:<16s} {row['permutes']:>8d} {row['bytes_per_exchange']:>11,.0f} "
                    f"{row['compact_bytes']:>18,.0f} {row['sent_over_compact']:>13.3f} {row['sent_over_dense']:>11.4f}")
+  if "hierarchical" in r:
+    p = r["hierarchical"]
+    lines += ["", f"gossip_sgd on gj.backend.hierarchical(D), {p['model']} ({p['leaves']} leaves), {p['devices']} CPU "
+              "devices, under jit: collectives and bytes between nodes per neighbour (over the model's bytes)",
+              "  D  topology  exchanges  permutes  all-gathers  between nodes / neighbour / model  max diff vs sim"]
+    for row in p["rows"]:
+      lines.append(f"  {row['devices_per_node']}  {row['topology']:<8s} {row['exchanges']:>10d} {row['permutes']:>9d} "
+                   f"{row['all_gathers']:>12d} {row['per_neighbour_over_model']:>35.3f} "
+                   f"{row['max_abs_diff_vs_simulation']:>16.2g}")
   if "period" in r:
     p = r["period"]
     lines += ["", f"random_pairs({p['nodes']}, period=P), gossip_sgd on {p['model']}: seconds, best of {p['best_of']}",

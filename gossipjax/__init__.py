@@ -30,6 +30,7 @@ from gossipjax.algorithms import (
     PeriodicAverageState,
     QGMomentumState,
     SGPState,
+    StreamingDiLoCoState,
     allreduce_sgd,
     choco_sgd,
     decentlam,
@@ -45,6 +46,7 @@ from gossipjax.algorithms import (
     periodic_average,
     qg_dmsgd,
     sgp,
+    streaming_diloco,
 )
 from gossipjax.mixing import MixState, mix
 
@@ -63,6 +65,7 @@ __all__ = (
     "PeriodicAverageState",
     "QGMomentumState",
     "SGPState",
+    "StreamingDiLoCoState",
     "SkipNodes",
     "algorithms",
     "allreduce_sgd",
@@ -101,6 +104,7 @@ __all__ = (
     "periodic_average",
     "qg_dmsgd",
     "sgp",
+    "streaming_diloco",
     "topology",
     "zero_skipped",
 )

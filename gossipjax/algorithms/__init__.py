@@ -14,6 +14,7 @@ from gossipjax.algorithms._extra import ExtraState, extra
 from gossipjax.algorithms._gossip_sgd import gossip_sgd
 from gossipjax.algorithms._gradient_tracking import GradientTrackingState, gradient_tracker, gradient_tracking
 from gossipjax.algorithms._outer import OuterState, diloco, noloco, outer_optimizer
+from gossipjax.algorithms._streaming import StreamingDiLoCoState, streaming_diloco
 from gossipjax.algorithms._periodic_average import PeriodicAverageState, periodic_average
 from gossipjax.algorithms._qg_dmsgd import QGMomentumState, qg_dmsgd
 from gossipjax.algorithms._sgp import SGPState, sgp
@@ -29,6 +30,7 @@ __all__ = (
     "PeriodicAverageState",
     "QGMomentumState",
     "SGPState",
+    "StreamingDiLoCoState",
     "allreduce_sgd",
     "choco_sgd",
     "decentlam",
@@ -44,4 +46,5 @@ __all__ = (
     "periodic_average",
     "qg_dmsgd",
     "sgp",
+    "streaming_diloco",
 )

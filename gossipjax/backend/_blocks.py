@@ -396,7 +396,7 @@ def _pack(parts: Sequence[jax.Array]) -> jax.Array:
   return jnp.concatenate([p.reshape((p.shape[0], -1)) for p in parts], axis=1)
 
 
-def _unpack(y: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
+def unpack(y: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
   """Splits packed rows back into leaves shaped like ``like`` beyond the row axis."""
   out, start = [], 0
   for x in like:
@@ -465,7 +465,7 @@ def _compact_travel(wire: Wire, leaves: Sequence[jax.Array], groups: Sequence[Se
       return [None] * len(groups)
     rows: list[Any] = [None] * len(flat)
     for idx, g in zip(wire_groups, got):
-      for j, part in zip(idx, _unpack(_received(g), [flat[j] for j in idx])):
+      for j, part in zip(idx, unpack(_received(g), [flat[j] for j in idx])):
         rows[j] = part
     senders = jnp.asarray(nodes(), jnp.int32)
     dense = [wire.decode(i, tuple(r for r, o in zip(rows, owner) if o == i), senders, wire.context)
@@ -630,7 +630,7 @@ def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, ex
     mixed = jax.lax.switch(jnp.asarray(step) % len(plans), [apply(p) for p in plans], packed)
   out: list[Any] = [None] * len(leaves)
   for idx, y in zip(groups, mixed):
-    for i, part in zip(idx, _unpack(y, [leaves[i] for i in idx])):
+    for i, part in zip(idx, unpack(y, [leaves[i] for i in idx])):
       out[i] = part
   return jax.tree.unflatten(treedef, out)
 

@@ -23,8 +23,9 @@ from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
 from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._traffic import note_gossip, note_mean
-from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
-                                       Wire, compile_topology, mix_blocks, step_table_or_none)
+from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, buckets, check_bucket_bytes,
+                                       check_divisible, Wire, compile_topology, mix_blocks, step_table_or_none,
+                                       unpack)
 from gossipjax.topology import Topology
 
 
@@ -96,9 +97,55 @@ def _broadcast_spec(spec: Any, arg: Any) -> Any:
                       is_leaf=lambda x: isinstance(x, P))
 
 
+def _share(rows: jax.Array, split_axis: str) -> tuple[jax.Array, int]:
+  """This device's 1/D of the columns of (m, ...) rows a node's D devices all hold, and the rows' width."""
+  flat = rows.reshape(rows.shape[0], -1)
+  width, size = flat.shape[1], lax.axis_size(split_axis)
+  share = -(-width // size)
+  flat = jnp.pad(flat, ((0, 0), (0, share * size - width)))
+  return lax.dynamic_slice_in_dim(flat, lax.axis_index(split_axis) * share, share, axis=1), width
+
+
+def _gathered(share: jax.Array, width: int, split_axis: str) -> jax.Array:
+  """The (m, width) rows whose columns a node's devices hold in shares: an all-gather inside the node."""
+  return lax.all_gather(share, split_axis, axis=1, tiled=True, to="invarying")[:, :width]
+
+
+def mix_split(tree: Any, mix_shares: Callable[[list[jax.Array]], list[jax.Array]], bucket_bytes: int,
+              split_axis: str) -> Any:
+  """Mixes a tree that a node's devices hold alike in D shares: each device sends 1/D of every bucket.
+
+  Horovod's hierarchical all-reduce applied to gossip: the leaves are packed into buckets,
+  each device of a node keeps its 1/D of every bucket's columns (a node's copy is the same on
+  its devices, so the reduce-scatter inside the node is a slice), ``mix_shares`` exchanges and
+  mixes the shares with the peer devices of the neighbour nodes (the devices of the same
+  ``split_axis`` index), and an all-gather inside the node rebuilds the buckets. What crosses
+  between nodes is one copy per neighbour, spread over the D links, where every device sending
+  the whole copy would send D.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  keep = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]  # counters, keys pass through
+  groups = [[keep[j] for j in idx] for idx in buckets([leaves[i] for i in keep], bucket_bytes)]
+  shares, widths = [], []
+  for idx in groups:
+    share, width = _share(jnp.concatenate([leaves[i].reshape(leaves[i].shape[0], -1) for i in idx], axis=1),
+                          split_axis)
+    shares.append(share)
+    widths.append(width)
+  out = list(leaves)
+  for idx, y, width in zip(groups, mix_shares(shares), widths):
+    for i, part in zip(idx, unpack(_gathered(y, width, split_axis), [leaves[i] for i in idx])):
+      out[i] = part
+  return jax.tree.unflatten(treedef, out)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShardedMixer:
-  """W(step) on global arrays whose leading (node) axis is sharded over ``mesh[axis]``."""
+  """W(step) on global arrays whose leading (node) axis is sharded over ``mesh[axis]``.
+
+  With ``split_axis`` (nodes made of devices, `hierarchical`), a node's devices each send
+  1/D of its buckets to their peers in the neighbour nodes (`mix_split`).
+  """
 
   topology: Topology
   mesh: Mesh
@@ -106,6 +153,7 @@ class ShardedMixer:
   plans: tuple[BlockPlan, ...]
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
   table: StepTable | None = None
+  split_axis: str | None = None
   _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
   @property
@@ -119,19 +167,33 @@ class ShardedMixer:
     note_gossip(self.topology, tree, step, wire, 0)
     axis, plans = self.axis, self.plans
 
+    leaves, treedef = jax.tree.flatten(tree)
+    where = f"gj.backend.sharded(mesh, axis={axis!r})"
+    # A node spanning devices splits its messages over them where every leaf is a whole copy on
+    # each of its devices (laid out P(axis), or hidden by an Auto mesh under jit).
+    split_on = self.split_axis if self.split_axis is not None and all(
+        leaf_spec(x, self.mesh, axis, where) in (None, P(axis)) for x in leaves) else None
+
     def exchange(ex, send, x):
       del x
+      if split_on is not None and wire is not None:  # compact parts: each device sends 1/D, the node gathers
+        share, width = _share(send, split_on)
+        got = lax.ppermute(share, axis, perm=ex.pairs)
+        return _gathered(got, width, split_on).reshape(send.shape)
       return lax.ppermute(send, axis, perm=ex.pairs)
 
     def body(tree, parts, context, step):
       w = None if wire is None else Wire(parts, wire.decode, context)
-      return mix_blocks(plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis),
-                        self.bucket_bytes, self.table, w, layouts)
+      mix = lambda t, lay: mix_blocks(plans, t, step, lax.axis_index(axis), exchange, lambda v: lax.psum(v, axis),
+                                      self.bucket_bytes, self.table, w, lay)
+      if split_on is not None and wire is None:  # the shares are the buckets: each one mixed alone
+        return mix_split(tree, lambda shares: mix(shares, list(range(len(shares)))), self.bucket_bytes, split_on)
+      return mix(tree, layouts)
 
-    leaves, treedef = jax.tree.flatten(tree)
-    where = f"gj.backend.sharded(mesh, axis={axis!r})"
     layouts, manual = None, None  # default: every mesh axis manual, every leaf P(axis)
-    if any(self.mesh.shape[a] > 1 for a in self.mesh.axis_names if a != axis):
+    if split_on is not None:
+      specs = jax.tree.map(lambda _: P(axis), tree)
+    elif any(self.mesh.shape[a] > 1 for a in self.mesh.axis_names if a != axis):
       found = [leaf_spec(x, self.mesh, axis, where) for x in leaves]
       if all(f is not None for f in found):
         # Model-sharded nodes: each device mixes its own pieces, so every leaf keeps its layout
@@ -155,7 +217,7 @@ class ShardedMixer:
     # then compiles once, not op by op on every call; under an outer jit it is inlined.
     fixed = (0 if len(plans) == 1 else int(step) % len(plans)) if static else None
     key = (jax.tree.structure(tree), fixed, jax.tree.structure(parts), jax.tree.structure(context),
-           None if wire is None else wire.decode, None if layouts is None else tuple(layouts), manual)
+           None if wire is None else wire.decode, None if layouts is None else tuple(layouts), manual, split_on)
     fn = self._compiled.get(key)
     if fn is None:
       in_specs = (specs, part_specs, jax.tree.map(lambda _: P(), context), P())
@@ -275,7 +337,9 @@ class Sharded:
   def mixer(self, topology: Topology) -> ShardedMixer:
     check_divisible(topology, self.num_devices, f"devices of mesh axis {self.axis!r}", "gj.backend.sharded")
     plans = compile_topology(topology, self.num_devices)
-    return ShardedMixer(topology, self.mesh, self.axis, plans, self.bucket_bytes, step_table_or_none(plans))
+    # Nodes of several devices (and no other axis splitting them) send their messages in shares.
+    split = self.data_axis if self._other_axes == (self.data_axis,) else None
+    return ShardedMixer(topology, self.mesh, self.axis, plans, self.bucket_bytes, step_table_or_none(plans), split)
 
   def mean(self, tree: Any) -> Any:
     axis = self.axis
@@ -364,7 +428,11 @@ def hierarchical(devices_per_node: int, *, devices: Any = None, axis: str = "nod
   decentralized optimization names it): the devices of a node average their gradients
   among themselves (an all-reduce inside the node, which the compiler inserts when
   ``backend.map`` computes a node's gradient from its split batch), and nodes exchange
-  params with their neighbours in W (collective-permutes between nodes only). The mesh is
+  params with their neighbours in W. A node's devices hold the same copy, so each sends
+  1/D of every bucket to its peer device in the neighbour node and an all-gather inside the
+  node puts the buckets back together (Horovod's hierarchical all-reduce splits its message
+  so): between nodes, one copy per neighbour spread over D links, one collective-permute
+  per exchange and bucket. The mesh is
   ``(len(devices) // devices_per_node, devices_per_node)`` with axes ``(axis, data_axis)``
   and Auto axis types, devices grouped in order, so with ``jax.distributed`` and
   ``devices_per_node = jax.local_device_count()`` each host is one node.

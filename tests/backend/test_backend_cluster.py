@@ -306,10 +306,10 @@ def test_hierarchical_gossip_averages_inside_a_node_and_gossips_between_nodes():
   state = tx.init(x)
   lines = _collective_lines(step.lower(x, state, a_dev, b_dev).compile().as_text())
   node = lambda device: device // 2
-  reduces = [line for line in lines if "all-reduce" in line]
+  inside = [line for line in lines if "collective-permute" not in line]  # gradient all-reduce, gathered shares
   permutes = [line for line in lines if "collective-permute" in line]
-  assert reduces and permutes and len(reduces) + len(permutes) == len(lines)  # no all-gather
-  for line in reduces:  # replica groups of 2 consecutive devices: one node's
+  assert inside and permutes
+  for line in inside:  # replica groups of 2 consecutive devices: one node's
     assert re.search(r"replica_groups=(\[4,2\]<=\[8\]|\{\{0,1\},\{2,3\},\{4,5\},\{6,7\}\})", line), line
   for line in permutes:
     pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])]
@@ -323,6 +323,44 @@ def test_hierarchical_gossip_averages_inside_a_node_and_gossips_between_nodes():
     u, ss = sim.update(jax.vmap(jax.grad(loss))(xs, a, b), ss, xs)
     xs = optax.apply_updates(xs, u)
   np.testing.assert_allclose(x, xs, rtol=0, atol=1e-12)
+
+
+def _between_nodes(line: str, per_node: int) -> int:
+  """Bytes a collective-permute line moves between devices of different nodes (its result, once per pair)."""
+  dtype, dims = re.search(r"= (\w+)\[([\d,]*)\]\{[^}]*\} collective-permute", line).groups()
+  size = int(np.prod([int(d) for d in dims.split(",") if d])) * {"f64": 8, "f32": 4}[dtype]
+  pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])
+  return size * sum(int(s) // per_node != int(t) // per_node for s, t in pairs)
+
+
+@pytest.mark.parametrize("kind", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+def test_nodes_of_two_devices_send_one_copy_per_neighbour_in_one_permute_per_exchange(resnet20, kind):
+  from jax.sharding import Mesh
+
+  mesh = Mesh(np.asarray(jax.devices()).reshape(4, 2), ("nodes", "data"), axis_types=(kind, kind))
+  be = gj.backend.hierarchical(2) if kind == AUTO else gj.backend.Sharded(mesh, data_axis="data")
+  rng = np.random.default_rng(4)
+  leaves = jax.tree.leaves(resnet20)[:None if kind == AUTO else 12]  # ResNet-20; on Explicit its first leaves
+  host = [rng.normal(size=(4,) + v.shape[1:]) for v in leaves]
+  topo = T.ring(4)
+  tx = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1, backend=be)
+  x = be.shard(host)
+  update = jax.jit(lambda p, s: tx.update(p, s, p))
+  lines = _collective_lines(update.lower(x, tx.init(x)).compile().as_text())
+  permutes = [line for line in lines if "collective-permute" in line]
+  exchanges = len(be.mixer(topo).plans[0].exchanges)
+  assert exchanges == 2 and len(permutes) <= 2 * exchanges, len(permutes)
+  model = sum(v[0].nbytes for v in jax.tree.leaves(host))
+  neighbours = 8  # each of the 4 nodes sends to 2
+  assert sum(_between_nodes(line, 2) for line in permutes) <= 1.25 * neighbours * model
+  for line in lines:  # the rest stays inside a node: replica groups of its 2 devices
+    if "collective-permute" not in line:
+      assert re.search(r"replica_groups=(\[4,2\]<=\[8\]|\{\{0,1\},\{2,3\},\{4,5\},\{6,7\}\})", line), line
+  sim = gj.gossip_sgd(topo, beta=0.9, learning_rate=0.1)
+  want, _ = jax.jit(lambda p, s: sim.update(p, s, p))(host, sim.init(host))
+  got, _ = update(x, tx.init(x))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
 
 
 def test_layouts_a_node_axis_cannot_take_are_refused():
