@@ -105,8 +105,9 @@ def node_mean(tree: Any) -> Any:
     ([1.0, 3.0], 3, ())
   """
   _node_leaves(tree, "gj.node_mean")
-  # Scaled before the sum, so nodes near the dtype's largest value keep a finite mean.
-  mean = lambda x: jnp.sum(mean_terms(x, x.shape[0]), axis=0).astype(x.dtype)
+  # Measured from node 0 and scaled before the sum: nodes that agree give node 0's value
+  # exactly, and nodes near the dtype's largest value keep a finite mean.
+  mean = lambda x: (x[0] + jnp.sum(mean_terms(x - x[:1], x.shape[0]), axis=0)).astype(x.dtype)
   return jax.tree.map(lambda x: mean(x) if _is_float(x) else x[0], tree)
 
 
@@ -149,7 +150,8 @@ def consensus_distance(tree: Any) -> jax.Array:
 
   def leaf(x):
     x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    d = x - jnp.sum(mean_terms(x, x.shape[0]), axis=0, keepdims=True)
+    d = x - x[:1]  # from node 0 first: nodes that agree are at distance 0 exactly
+    d = d - jnp.sum(mean_terms(d, x.shape[0]), axis=0, keepdims=True)
     return jnp.sum(jnp.real(d * jnp.conj(d)) / x.shape[0]).astype(dtype)
 
   return sum((leaf(x) for x in floats), start=jnp.zeros([], dtype))
