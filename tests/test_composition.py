@@ -261,3 +261,23 @@ def test_abstract_init_on_the_sharded_backend_keeps_the_placement():
 def test_node_mean_scales_before_it_sums():
   x = jnp.full((4, 3), 1e38, jnp.float32)
   assert bool(jnp.isfinite(gj.node_mean(x)).all()) and float(gj.consensus_distance(x)) == 0.0
+
+
+def test_a_checkpoint_of_the_mapped_state_restores_into_the_transform_built_again(tmp_path):
+  params, grads = _params_and_grads(6)
+
+  def build():
+    return gj.chain(optax.inject_hyperparams(optax.adam)(learning_rate=0.05), gj.guard_finite(gj.gossip_sgd(
+        W, beta=0.9, learning_rate=0.1)))
+
+  tx = build()
+  state, p = tx.init(params), params
+  for g in grads[:2]:
+    u, state = tx.update(g, state, p)
+    p = optax.apply_updates(p, u)
+  gj.checkpoint.save(tmp_path, {"params": p, "state": state}, step=2)
+  again = build()
+  restored = gj.checkpoint.restore(tmp_path, {"params": params, "state": again.init(params)})
+  u1, _ = tx.update(grads[2], state, p)
+  u2, _ = again.update(grads[2], restored["state"], restored["params"])
+  _close(u2, u1, tol=0)
