@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from gossipjax.backend._map import InAxes, vmap_nodes
-from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, Exchange, StepTable, check_bucket_bytes,
-                                       Wire, check_divisible, compile_topology, mix_blocks, step_table_or_none)
+from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, Exchange, StepTable, buckets,
+                                       check_bucket_bytes, Wire, check_divisible, compile_topology, mix_blocks,
+                                       step_table_or_none, unpack)
 from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._traffic import note_gossip, note_mean
 from gossipjax.topology import Topology
@@ -219,8 +220,9 @@ class Mpi:
     The ranks' blocks may differ in size: while ``mean`` is traced, the ranks sum their
     block sizes on the host (every rank traces the same program, so they do it together),
     and each leaf is scaled by the total before its sum (see `mean_terms`), so the sum
-    cannot overflow. The traced program holds one all-reduce per leaf, as before. 16-bit
-    floats travel widened to float32, which MPI sums (4 bytes a value, not 2).
+    cannot overflow. The leaves' partial sums are packed by dtype into buckets of at most
+    ``bucket_bytes``, as the gossip's rows are: one all-reduce per bucket, not per leaf.
+    16-bit floats travel widened to float32, which MPI sums (4 bytes a value, not 2).
     """
     mpi4jax, MPI = _import_mpi()
     leaves, treedef = jax.tree.flatten(tree)
@@ -233,11 +235,14 @@ class Mpi:
     count = int(_host_comm(self.comm).allreduce(blocks.pop()))
     note_mean(tree, count)
 
-    def leaf(x):
-      total = mpi4jax.allreduce(jnp.sum(mean_terms(x, count), axis=0, keepdims=True), op=MPI.SUM, comm=self.comm)
-      return jnp.broadcast_to(total, x.shape).astype(x.dtype)
-
-    return jax.tree.unflatten(treedef, [leaf(x) for x in leaves])
+    partials = [jnp.sum(mean_terms(x, count), axis=0, keepdims=True) for x in leaves]
+    totals: list[Any] = [None] * len(leaves)
+    for idx in buckets(partials, self.bucket_bytes):
+      packed = jnp.concatenate([partials[i].reshape(1, -1) for i in idx], axis=1) if len(idx) > 1 else partials[idx[0]]
+      summed = mpi4jax.allreduce(packed, op=MPI.SUM, comm=self.comm)
+      for i, total in zip(idx, unpack(summed, [partials[i] for i in idx])):
+        totals[i] = total
+    return jax.tree.unflatten(treedef, [jnp.broadcast_to(t, x.shape).astype(x.dtype) for t, x in zip(totals, leaves)])
 
   def local_nodes(self, num_nodes: int) -> int:
     return num_nodes // self.size

@@ -75,3 +75,24 @@ def test_mpi_star_and_complete_mix_with_one_allreduce():
   assert res.returncode == 0, res.stdout[-4000:]
   ok = re.findall(rf"^rank (\d+)/{RANKS}: OK", res.stdout, flags=re.MULTILINE)
   assert sorted(map(int, ok)) == list(range(RANKS)), res.stdout[-4000:]
+
+
+def test_the_all_reduce_mean_sends_one_message_per_bucket():
+  """allreduce_sgd and DiLoCo's outer mean: one ``mpi_allreduce`` per dtype bucket, not per leaf (one rank)."""
+  pytest.importorskip("mpi4jax")
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  tree = {f"w{i:02d}": jnp.full((2, 3 + i), float(i), jnp.float32) for i in range(16)}
+  tree["h"] = jnp.ones((2, 5), jnp.bfloat16)  # averaged in float32: it joins the float32 bucket
+  for cap, messages in ((gj.backend.mpi.__kwdefaults__["bucket_bytes"], 1), (1, 17)):
+    be = gj.backend.mpi(bucket_bytes=cap)
+    for tx in (gj.allreduce_sgd(learning_rate=0.1, backend=be),
+               gj.diloco(optax.sgd(0.1), inner_steps=2, backend=be)):
+      text = jax.jit(lambda p, s, tx=tx: tx.update(p, s, p)).lower(tree, tx.init(tree)).as_text()
+      assert len(re.findall(r"mpi_allreduce", text)) == messages
+    got, want = jax.jit(be.mean)(tree), jax.jit(gj.backend.simulate().mean)(tree)
+    for k in tree:
+      assert got[k].dtype == want[k].dtype
+      np.testing.assert_array_equal(np.asarray(got[k], np.float64), np.asarray(want[k], np.float64))
