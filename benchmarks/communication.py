@@ -17,6 +17,8 @@ sizes, writes only where ``--json`` says). The parts, on 8 XLA CPU devices
   ring of the 8 / D nodes under jit: collective-permutes, all-gathers, and the bytes the permutes move between
   devices of different nodes per neighbour, over the model's bytes (float32: XLA:CPU compiles a bfloat16
   permute as float32, so CPU HLO would count a bf16 model's bytes twice);
+- ``matchings``: exchanges per step of ``random_pairs(n)`` on 8 devices (n = 16, 32, 64), against the most
+  device pairs one device sends or receives, the least number of exchanges that can carry a step;
 - ``period``: compile time of ``random_pairs(8, period=P)``, sharded against simulated;
 - ``mpi``: a jitted MPI gossip round (``mixer.mix``) of a ResNet-20's params on a ring of 4 ranks
   (``mpiexec -n 4``, launched with ``gj.backend.mpi_launch_env``), fused against per leaf: ms per
@@ -54,7 +56,7 @@ from benchmarks import _timing  # noqa: E402
 
 gj.backend.reserve_cpu_threads()  # before JAX's first computation: threads for collectives over 8 CPU devices
 
-PARTS = ("leaves", "compression", "hierarchical", "period", "mpi", "gpu")
+PARTS = ("leaves", "compression", "hierarchical", "matchings", "period", "mpi", "gpu")
 DEVICES = 8
 NODES = 16
 PER_LEAF = 1  # bucket_bytes=1: every leaf is a bucket of its own, one message per leaf
@@ -199,6 +201,27 @@ def hierarchical_round(quick: bool) -> dict:
                  "per_neighbour_over_model": between / neighbours / model, "max_abs_diff_vs_simulation": diff})
   return {"devices": DEVICES, "model": "10 leaves of 100 float32" if quick else "ResNet-20",
           "leaves": len(jax.tree.leaves(host)), "rows": rows}
+
+
+def matching_exchanges(quick: bool) -> dict:
+  """Exchanges (ppermutes) per step of ``random_pairs(n)`` on 8 devices, against the busiest device's degree."""
+  from gossipjax.backend._blocks import compile_topology
+
+  rows = []
+  for n in (16, 32) if quick else (16, 32, 64):
+    topo = gj.topology.random_pairs(n)
+    plans = compile_topology(topo, DEVICES)
+    counts, degrees = [], []
+    for p in plans:
+      pairs = {pair for ex in p.exchanges for pair in ex.pairs}
+      sends = np.bincount([s for s, _ in pairs], minlength=DEVICES)
+      gets = np.bincount([t for _, t in pairs], minlength=DEVICES)
+      counts.append(len(p.exchanges))
+      degrees.append(int(max(sends.max(), gets.max())) if pairs else 0)
+    rows.append({"topology": f"random_pairs({n})", "nodes_per_device": n // DEVICES, "period": topo.period,
+                 "mean_exchanges": float(np.mean(counts)), "max_exchanges": max(counts),
+                 "mean_degree": float(np.mean(degrees))})
+  return {"devices": DEVICES, "rows": rows}
 
 
 def compressors() -> dict:
@@ -351,7 +374,7 @@ def run(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict:
     raise RuntimeError(f"benchmarks.communication needs {DEVICES} CPU devices; start Python with "
                        f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}")
   measure = {"leaves": against_leaves, "compression": against_compression, "period": against_period,
-             "hierarchical": hierarchical_round, "mpi": mpi_round, "gpu": gpu_step}
+             "hierarchical": hierarchical_round, "matchings": matching_exchanges, "mpi": mpi_round, "gpu": gpu_step}
   out = {}
   for part in parts:
     t0 = time.perf_counter()
@@ -402,6 +425,13 @@ def table(r: dict) -> list[str]:
       lines.append(f"  {row['devices_per_node']}  {row['topology']:<8s} {row['exchanges']:>10d} {row['permutes']:>9d} "
                    f"{row['all_gathers']:>12d} {row['per_neighbour_over_model']:>35.3f} "
                    f"{row['max_abs_diff_vs_simulation']:>16.2g}")
+  if "matchings" in r:
+    p = r["matchings"]
+    lines += ["", f"exchanges per step on {p['devices']} devices (the busiest device's degree is the least possible)",
+              "  topology          nodes/device  mean exchanges  max  mean degree"]
+    for row in p["rows"]:
+      lines.append(f"  {row['topology']:<17s} {row['nodes_per_device']:>12d} {row['mean_exchanges']:>15.3f} "
+                   f"{row['max_exchanges']:>4d} {row['mean_degree']:>12.3f}")
   if "period" in r:
     p = r["period"]
     lines += ["", f"random_pairs({p['nodes']}, period=P), gossip_sgd on {p['model']}: seconds, best of {p['best_of']}",

@@ -61,3 +61,20 @@ def test_compiling_65536_nodes_over_two_devices_is_array_work():
   assert [ex.pairs for ex in bp.exchanges] == [((0, 1), (1, 0))]
   # Shift h sends the last h rows of each block to the other device; the largest shift is 32,768.
   assert int(bp.exchanges[0].count[0]) == 32_768
+
+
+@pytest.mark.parametrize("topo, k, average", [(T.random_pairs(16), 8, 2.0), (T.random_pairs(48, seed=2), 8, None),
+                                              (T.erdos_renyi(48, 0.3, seed=1), 8, None), (T.ring(16), 8, 2.0)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_a_plan_uses_no_more_exchanges_than_its_busiest_device_needs(topo, k, average):
+  """As many exchanges as the most device pairs one device sends or receives (Konig): no fewer can do."""
+  counts = []
+  for plan in topo.plans():
+    bp = compile_plan(plan, k)
+    pairs = {pair for ex in bp.exchanges for pair in ex.pairs}
+    degree = max(np.bincount([s for s, _ in pairs], minlength=k).max(),
+                 np.bincount([t for _, t in pairs], minlength=k).max()) if pairs else 0
+    assert len(bp.exchanges) == degree
+    counts.append(len(bp.exchanges))
+  if average is not None:  # random_pairs(16) on 8 devices: 2 nodes a device, at most 2 partners, 2.69 before
+    assert np.mean(counts) == average
