@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gossipjax._axis import AXIS as NODE_AXIS
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import mean_terms
@@ -16,6 +17,26 @@ from gossipjax.backend._traffic import note_gossip, note_mean
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
                                        Wire, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
+
+
+def check_pmap_size(axis: str, num_devices: int, block: int) -> None:
+  """Refuses a pmap over ``axis`` whose size is not the ``num_devices`` the backend was built for.
+
+  ``lax.axis_size`` reads the innermost axis of that name. Inside `gj.chain` / `gj.nodes` the
+  one-node code is vmapped over this device's block with its node axis named ``"nodes"``, the
+  pmap axis's default name: there the size read is the block's, and a mean scaled by it would
+  be silently wrong, so it is refused with the way out (another name for the pmap axis).
+  """
+  size = lax.axis_size(axis)
+  if size == num_devices:
+    return
+  if axis == NODE_AXIS and size == block:
+    raise ValueError(
+        f"gj.backend.pmapped: the pmap axis is named {axis!r}, as gj.chain and gj.nodes name their node axis, "
+        f"which hides it (its size reads {size}, this device's block, not the backend's {num_devices} devices); "
+        f"name the pmap axis otherwise: jax.pmap(..., axis_name='devices') with gj.backend.pmapped('devices')")
+  raise ValueError(f"gj.backend.pmapped: the pmap over {axis!r} has {size} devices but the backend was built for "
+                   f"{num_devices}; pass gj.backend.pmapped(axis_size={size})")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,12 +59,7 @@ class PmappedMixer:
 
   def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
     axis = self.axis_name
-    size = lax.axis_size(axis)
-    if size != self.num_devices:
-      raise ValueError(
-          f"gj.backend.pmapped: the pmap over {axis!r} has {size} devices but the backend was built for "
-          f"{self.num_devices}; pass gj.backend.pmapped(axis_size={size})"
-      )
+    check_pmap_size(axis, self.num_devices, self.local_nodes)
 
     def exchange(ex, send, x):
       del x
@@ -93,12 +109,15 @@ class Pmapped:
     return PmappedMixer(topology, self.axis_name, k, plans, self.bucket_bytes, step_table_or_none(plans))
 
   def mean(self, tree: Any) -> Any:
+    leaves = jax.tree.leaves(tree)
+    if leaves and jnp.ndim(leaves[0]):
+      check_pmap_size(self.axis_name, self.num_devices, jnp.shape(leaves[0])[0])
+
     def leaf(x):  # scaled before the sums (see `mean_terms`), which then cannot overflow
       n = x.shape[0] * lax.axis_size(self.axis_name)
       total = lax.psum(jnp.sum(mean_terms(x, n), axis=0, keepdims=True), self.axis_name)
       return jnp.broadcast_to(total.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else total, x.shape)
 
-    leaves = jax.tree.leaves(tree)
     if leaves and jnp.ndim(leaves[0]):
       note_mean(tree, jnp.shape(leaves[0])[0] * lax.axis_size(self.axis_name))
     return jax.tree.map(leaf, tree)

@@ -97,3 +97,29 @@ def test_integer_leaves_pass_through_as_in_the_simulation():
   got = jax.pmap(lambda t: mixer.mix(t), axis_name="nodes")(jax.tree.map(blocks, tree))
   np.testing.assert_array_equal(np.asarray(got["count"]).ravel(), tree["count"])
   np.testing.assert_allclose(np.asarray(got["w"]).reshape(16, 3), topo.matrix() @ tree["w"], rtol=0, atol=1e-14)
+
+
+def test_chain_with_a_pmap_axis_named_nodes_is_refused_not_silently_wrong():
+  """gj.chain names its node axis "nodes", the pmap axis's default: the block's size then hides the pmap's.
+
+  The mean of 8 nodes on 4 devices, 2 a device, came back scaled by the block's 2 instead of
+  the 8 nodes (wrong numbers, no error). It is refused with the way out, and a pmap axis of
+  another name gives the mean and the mix of the dense reference.
+  """
+  import jax.numpy as jnp
+  import optax
+
+  x = np.random.default_rng(0).normal(size=(4, 2, 1)).astype(np.float32)  # (device, node of the block, param)
+  flat = x.reshape(8)
+  for name in ("nodes", "devices"):
+    be = gj.backend.pmapped(name, axis_size=4)
+    cases = {"mean": (gj.chain(optax.sgd(0.0), gj.periodic_average(1, backend=be), backend=be), np.full(8, flat.mean())),
+             "mix": (gj.chain(optax.sgd(0.0), gj.mix(T.ring(8), backend=be), backend=be), T.ring(8).matrix() @ flat)}
+    for tx, want in cases.values():
+      step = jax.pmap(lambda x, tx=tx: x + tx.update(jnp.zeros_like(x), tx.init(x), x)[0], axis_name=name,
+                      devices=jax.devices()[:4])
+      if name == "nodes":
+        with pytest.raises(ValueError, match=r"pmap axis is named 'nodes', as gj.chain .* axis_name='devices'"):
+          step(x)
+      else:
+        np.testing.assert_allclose(np.asarray(step(x)).reshape(8), want, rtol=1e-6)
