@@ -98,11 +98,12 @@ _CORE_CHILD = textwrap.dedent("""
         "sgp": gj.sgp(directed, learning_rate=0.1, beta=0.5),
         "choco_sgd": gj.choco_sgd(W, gj.compress.qsgd(4), learning_rate=0.1, consensus_step=0.5, key=1),
         "qg_dmsgd": gj.qg_dmsgd(W, beta=0.9, learning_rate=0.1),
-        "periodic_average": optax.chain(gj.gossip_sgd(W, learning_rate=0.1), gj.periodic_average(2)),
+        "periodic_average": gj.chain(gj.gossip_sgd(W, learning_rate=0.1), gj.periodic_average(2)),
         "easgd": gj.easgd(learning_rate=0.1, alpha=0.1, center_rate=0.5, every=2),
         "outer_optimizer": gj.outer_optimizer(sgd, optax.sgd(0.7), inner_steps=2, topology=W),
         "diloco": gj.diloco(sgd, inner_steps=2),
         "noloco": gj.noloco(sgd, pairs, inner_steps=2),
+        "streaming_diloco": gj.streaming_diloco(sgd, num_fragments=2, inner_steps=2),
     }
     public = {name for name in gj.algorithms.__all__ if name[0].islower()} | {"mix"}
     assert public == set(methods), f"add to this check: {sorted(public - set(methods))}"

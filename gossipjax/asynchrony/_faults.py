@@ -30,6 +30,7 @@ import optax
 
 from gossipjax.backend._table import mix_from_table, plan_table
 from gossipjax.mixing import float_leaves_only
+from gossipjax.mixing._named import stacked_transform
 
 
 class Faults(NamedTuple):
@@ -308,4 +309,7 @@ def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
 
     return jax.tree.map(leaf, params, updates), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
-  return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn), keep_other_updates=True)
+  # Its own code reads the node axis (which nodes are up, who sent what): inside gj.chain it
+  # runs on the stacked nodes as a collective.
+  return stacked_transform(float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                                             keep_other_updates=True), "ga.faulty_mix")
