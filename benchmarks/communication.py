@@ -19,7 +19,8 @@ sizes, writes only where ``--json`` says). The parts, on 8 XLA CPU devices
   permute as float32, so CPU HLO would count a bf16 model's bytes twice);
 - ``matchings``: exchanges per step of ``random_pairs(n)`` on 8 devices (n = 16, 32, 64), against the most
   device pairs one device sends or receives, the least number of exchanges that can carry a step;
-- ``period``: compile time of ``random_pairs(8, period=P)``, sharded against simulated;
+- ``period``: compile time of ``random_pairs(n, period=P)`` at 1, 4 and 16 nodes per device, sharded against
+  simulated (best of 3; of 1 at period 256 with several nodes per device);
 - ``mpi``: a jitted MPI gossip round (``mixer.mix``) of a ResNet-20's params on a ring of 4 ranks
   (``mpiexec -n 4``, launched with ``gj.backend.mpi_launch_env``), fused against per leaf: ms per
   round (median of the slowest rank) and ``sendrecv`` calls in the program;
@@ -265,25 +266,27 @@ def mlp_tree(n: int) -> dict:
 
 
 def against_period(quick: bool) -> dict:
-  periods, reps = ((4, 16), 1) if quick else ((4, 16, 64), 3)
-  n = DEVICES
+  periods, per_device, reps = ((4, 16), (1, 4), 1) if quick else ((4, 16, 64, 256), (1, 4, 16), 3)
   sharded = sharded_backend()
   simulate = gj.backend.simulate()
-  params = {"simulate": mlp_tree(n), "sharded": sharded.shard(mlp_tree(n))}
   rows = []
-  for period in periods:
-    topo = gj.topology.random_pairs(n, period=period)
-    times = {"simulate": [], "sharded": []}
-    for _ in range(reps):  # alternating: the machine is shared
-      for name, be in (("simulate", simulate), ("sharded", sharded)):
-        t = compile_times(lambda: gossip_update(topo, be, params[name]), 1)
-        del t["hlo"]
-        times[name].append(t)
-    best = {name: {k: min(t[k] for t in ts) for k in ts[0]} for name, ts in times.items()}
-    rows.append({"period": period, "branches": len(sharded.mixer(topo).table.patterns), **best,
-                 "compile_ratio": best["sharded"]["compile_s"] / best["simulate"]["compile_s"]})
-  return {"nodes": n, "devices": DEVICES, "model": "MLP 64-32-32-10 per node, float32", "best_of": reps,
-          "rows": rows}
+  for b in per_device:
+    n = b * DEVICES
+    params = {"simulate": mlp_tree(n), "sharded": sharded.shard(mlp_tree(n))}
+    for period in periods:
+      topo = gj.topology.random_pairs(n, period=period)
+      times = {"simulate": [], "sharded": []}
+      for _ in range(reps if b == 1 or period < 256 else 1):  # alternating: the machine is shared
+        for name, be in (("simulate", simulate), ("sharded", sharded)):
+          t = compile_times(lambda: gossip_update(topo, be, params[name]), 1)
+          del t["hlo"]
+          times[name].append(t)
+      best = {name: {k: min(t[k] for t in ts) for k in ts[0]} for name, ts in times.items()}
+      rows.append({"nodes": n, "nodes_per_device": b, "period": period,
+                   "branches": len(sharded.mixer(topo).table.patterns), **best,
+                   "compile_ratio": best["sharded"]["compile_s"] / best["simulate"]["compile_s"]})
+  return {"devices": DEVICES, "model": "MLP 64-32-32-10 per node, float32", "best_of": reps,
+          "best_of_at_period_256": 1, "rows": rows}
 
 
 def mpi_round(quick: bool) -> dict:
@@ -434,12 +437,12 @@ def table(r: dict) -> list[str]:
                    f"{row['max_exchanges']:>4d} {row['mean_degree']:>12.3f}")
   if "period" in r:
     p = r["period"]
-    lines += ["", f"random_pairs({p['nodes']}, period=P), gossip_sgd on {p['model']}: seconds, best of {p['best_of']}",
-              "  period  branches  simulate: trace+lower  compile   sharded: trace+lower  compile   "
+    lines += ["", f"random_pairs(n, period=P) on {p['devices']} devices, gossip_sgd on {p['model']}: seconds",
+              "  n   period  branches  simulate: trace+lower  compile   sharded: trace+lower  compile   "
               "sharded/simulate compile"]
     for row in p["rows"]:
       s, h = row["simulate"], row["sharded"]
-      lines.append(f"  {row['period']:>6d} {row['branches']:>9d} {s['trace_s'] + s['lower_s']:22.3f} "
+      lines.append(f"  {row['nodes']:<4d}{row['period']:>6d} {row['branches']:>9d} {s['trace_s'] + s['lower_s']:22.3f} "
                    f"{s['compile_s']:8.3f} {h['trace_s'] + h['lower_s']:21.3f} {h['compile_s']:8.3f} "
                    f"{row['compile_ratio']:25.2f}x")
   if "mpi" in r:

@@ -459,11 +459,13 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
     return results
   metrics_path, plot_path = os.path.join(args.out, "metrics.json"), os.path.join(args.out, "plot.png")
   config = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
-  config["devices"] = placement.num_devices
+  devices = placement.num_devices * args.devices_per_node  # every device the job uses, however they group
+  config["devices"] = devices
   config["devices_per_node"] = args.devices_per_node
   write_metrics(metrics_path, {**config, "skipped": skipped}, results)
-  where = (f"{args.backend} on {placement.num_devices} {placement.unit}" if placement.num_devices > 1
-           else args.backend)
+  where = (f"{args.backend} on {devices} {placement.unit}" if devices > 1 else args.backend)
+  if args.devices_per_node > 1:
+    where += f", {args.devices_per_node} a node"
   plot(plot_path, results, title=f"{args.nodes} nodes, {args.model} on digits, {args.partition} partition, "
                                  f"{where} ({jax.default_backend()})", x=args.x_axis)
   print(result_table(results))

@@ -52,7 +52,7 @@ def test_nodes_of_two_devices_equal_the_simulation(simulated, tmp_path):
   _launch([BIN / "gossipjax"] + ARGS + ["--backend", "sharded", "--devices", "8", "--devices-per-node", "2",
                                         "--out", str(tmp_path)], 300)
   got = json.loads((tmp_path / "metrics.json").read_text())
-  assert got["config"]["devices"] == 4 and got["config"]["devices_per_node"] == 2
+  assert got["config"]["devices"] == 8 and got["config"]["devices_per_node"] == 2  # every device the job used
   _assert_same_metrics(got, simulated)
 
 
