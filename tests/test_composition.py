@@ -281,3 +281,28 @@ def test_a_checkpoint_of_the_mapped_state_restores_into_the_transform_built_agai
   u1, _ = tx.update(grads[2], state, p)
   u2, _ = again.update(grads[2], restored["state"], restored["params"])
   _close(u2, u1, tol=0)
+
+
+EVERY_METHOD = {
+    "decentlam": lambda: gj.decentlam(W, beta=0.9, learning_rate=0.1),
+    "qg_dmsgd": lambda: gj.qg_dmsgd(W, beta=0.9, learning_rate=0.1),
+    "exact_diffusion": lambda: gj.exact_diffusion(W, learning_rate=0.1),
+    "extra": lambda: gj.extra(W, learning_rate=0.1),
+    "sgp": lambda: gj.sgp(gj.topology.one_peer_directed_exponential(N), learning_rate=0.1, beta=0.5),
+    "allreduce_sgd": lambda: gj.allreduce_sgd(learning_rate=0.1, beta=0.9),
+    "periodic_average": lambda: optax.chain(gj.gossip_sgd(W, learning_rate=0.1), gj.periodic_average(2)),
+    "easgd": lambda: gj.easgd(learning_rate=0.1, alpha=0.1, center_rate=0.5, every=2),
+    "outer_optimizer": lambda: gj.outer_optimizer(optax.sgd(0.1), optax.sgd(0.7), inner_steps=2, topology=W),
+    "noloco": lambda: gj.noloco(optax.sgd(0.1), gj.topology.random_pairs(N), inner_steps=2),
+    "gradient_tracker": lambda: optax.chain(gj.gradient_tracker(W), optax.adam(1e-2), gj.mix(W)),
+    "choco_qsgd": lambda: gj.choco_sgd(W, gj.compress.qsgd(4), learning_rate=0.1, consensus_step=0.5, key=1),
+    "choco_random_k": lambda: gj.choco_sgd(gj.topology.random_pairs(N), gj.compress.random_k(0.5),
+                                           learning_rate=0.1, consensus_step=0.5, key=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_METHOD))
+def test_every_method_inside_gj_chain_equals_its_stacked_call(name):
+  params, grads = _params_and_grads(7)
+  make = EVERY_METHOD[name]
+  _close(_run(gj.chain(make()), params, grads), _run(make(), params, grads))
