@@ -13,7 +13,7 @@ from jax.typing import DTypeLike
 
 from gossipjax._validation import check_in_range, check_learning_rate
 from gossipjax.algorithms._common import check_state_dtype, start_step
-from gossipjax.compress._base import leaf_keys
+from gossipjax.compress._base import Identity, leaf_keys
 from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
 from gossipjax.mixing._contract import next_count
 from gossipjax.mixing._named import node_index, node_shape, on_nodes
@@ -106,9 +106,11 @@ def choco_sgd(
 
   For a static W each node keeps ``s_i = \sum_j w_ij \hat x_j`` and updates it with
   ``s += W q``, so only the compressed q travels (one gossip round). For a time-varying
-  W the term ``W^{(k)} \hat x^{k+1}`` is computed by mixing the public copies; in a real
-  deployment each node would keep the copies of all its neighbours over the period, fed
-  by their compressed messages. With ``\eta`` small enough for the
+  W the term ``W^{(k)} \hat x^{k+1}`` is computed by mixing the public copies, which then
+  travel densely: a neighbour met for the first time since many steps cannot rebuild
+  ``\hat x_j`` from the compressed messages it did not receive (keeping the copies of every
+  neighbour of the period, fed by compressed messages every step, would cost a copy and a
+  message per neighbour of the whole period). With ``\eta`` small enough for the
   compressor's contraction ``delta`` the public copies track the models and the nodes
   reach consensus; the node average is preserved by the gossip step for doubly
   stochastic W. An unbiased compressor (``random_k``, ``qsgd``) is used through its
@@ -123,7 +125,8 @@ def choco_sgd(
   (``tests/test_compress.py`` runs both).
 
   ``state.message_bits[i]`` is the size of the message node i sent in the last step
-  (each node sends it to each of its out-neighbours); compare to
+  (each node sends it to each of its out-neighbours): the compact ``q_i`` on a static W,
+  the dense public copy ``\hat x_i`` (in ``state_dtype``) on a time-varying one; compare to
   ``gj.compress.identity().bits`` of the same params for the uncompressed size.
 
   Args:
@@ -205,11 +208,15 @@ def choco_sgd(
     q = node_map(lambda c, k: contraction.decode(c, k, one_node))(compact, keys)
     public = jax.tree.map(lambda p, qi: p + qi, state.public, q)
     if mixer.topology.is_time_varying:
+      # A new neighbour's public copy is not the sum of the messages this node received, so the
+      # copies themselves travel, densely, and that is the message counted.
       neighbour_sum = mixer.mix(public, state.count)
+      message = Identity()
     else:
       decode = _DecodeReceived(contraction, tuple(np.asarray(base_key).tolist()), like)
       wire = Wire([tuple(c) for c in treedef.flatten_up_to(compact)], decode, state.count)
       neighbour_sum = jax.tree.map(lambda s, wq: s + wq, state.neighbour_sum, mixer.mix(q, state.count, wire))
+      message = contraction
     eta = consensus_step
     updates = jax.tree.map(lambda h, s, p, x: (h + eta * (s - p)).astype(x.dtype) - x,
                            half, neighbour_sum, public, params)
@@ -218,7 +225,8 @@ def choco_sgd(
         public=public,
         neighbour_sum=neighbour_sum,
         key=state.key,
-        message_bits=node_map(contraction.bits)(diff).astype(state.message_bits.dtype),
+        message_bits=node_map(message.bits)(diff if message is contraction else public).astype(
+            state.message_bits.dtype),
     )
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))
