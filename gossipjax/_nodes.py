@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gossipjax.backend import Backend, Mixer, simulate
+from gossipjax.backend import Backend, simulate
 from gossipjax.backend._base import current
 from gossipjax._axis import mapping
 from gossipjax.mixing._named import NodeMixer
