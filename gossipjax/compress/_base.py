@@ -173,6 +173,41 @@ def leaf_keys(key: jax.Array, count: int) -> jax.Array:
   return jax.random.split(key, max(1, count))
 
 
+def split_spec(x: Any) -> tuple[Any, ...] | None:
+  """One node's leaf layout on an Explicit mesh, one entry per dimension, where a mesh axis splits it; else None.
+
+  Inside a backend's per-node map, a model-sharded node's leaf (laid out ``P("nodes", "model")``)
+  is typed ``P("model", None)``: each device holds a piece of the node's layer. On an Auto
+  mesh the layout is not part of the type (``None``), and the compiler places the work.
+  """
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  if spec is None or all(s is None for s in spec):
+    return None
+  return tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
+
+
+def gathered(x: jax.Array) -> jax.Array:
+  """``x`` whole on every device of its node: an all-gather over the mesh axes that split it (Explicit)."""
+  if split_spec(x) is None:
+    return x
+  return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+
+
+def row_pieces(x: jax.Array) -> jax.Array | None:
+  """A split leaf's entries as ``(D, size / D)`` rows, row ``p`` the piece device ``p`` of the node holds.
+
+  Only where the pieces are consecutive in the flat (row-major) order: the leaf is split along
+  its first dimension alone (``P("nodes", "model")``). ``None`` otherwise.
+  """
+  spec = split_spec(x)
+  if spec is None or spec[0] is None or any(s is not None for s in spec[1:]):
+    return None
+  names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  mesh = jax.typeof(x).sharding.mesh
+  pieces = math.prod(mesh.shape[a] for a in names)
+  return jnp.reshape(x, (pieces, x.size // pieces), out_sharding=jax.sharding.PartitionSpec(spec[0]))
+
+
 def wire_bits(specs: Sequence[jax.ShapeDtypeStruct]) -> int:
   """Bits of the arrays ``specs`` describe: ``size * itemsize * 8`` summed."""
   return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize * 8 for s in specs)

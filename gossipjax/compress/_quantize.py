@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gossipjax.compress._base import Compressor, require_floating, wide_dtype
+from gossipjax.compress._base import Compressor, gathered, require_floating, row_pieces, wide_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,10 @@ class Sign(Compressor):
     del key
     # The sum of |x| overflows float16 past 65,504, while the mean never exceeds max |x|.
     scale = jnp.mean(jnp.abs(x), dtype=wide_dtype(x.dtype)).astype(x.dtype)
-    return jnp.packbits(x.ravel() >= 0), scale  # bit 1: sent as +scale
+    rows = row_pieces(x)
+    if rows is not None and rows.shape[1] % 8 == 0:  # a node split over devices: each packs its own piece
+      return gathered(jnp.packbits(rows >= 0, axis=1).ravel()), scale
+    return jnp.packbits(gathered(x).ravel() >= 0), scale  # bit 1: sent as +scale
 
   def _decode(self, compact, key, shape, dtype):
     del key
@@ -47,7 +50,10 @@ def sign() -> Sign:
   An entry that is exactly zero counts as positive (``sign(0) = +1``), so every entry is
   one bit. Biased; a contraction with ``delta = ||x||_1^2 / (d ||x||_2^2) >= 1 / d``.
   Wire form per layer: the sign bits packed eight to a byte (``uint8``, as
-  ``np.packbits``), ``ceil(d / 8)`` bytes, and the scale in the layer's dtype.
+  ``np.packbits``), ``ceil(d / 8)`` bytes, and the scale in the layer's dtype. A layer split
+  over a node's devices along its first dimension (Explicit mesh) packs each piece where it
+  lies and gathers the packed bytes (pieces of a multiple of 8 entries; else the sign bytes),
+  and its scale is a sum over the pieces.
 
   Returns:
     A `Sign` compressor.
@@ -122,7 +128,7 @@ class QSGD(Compressor):
     r = jnp.abs(wide) / jnp.where(norm == 0, 1, norm) * s
     lower = jnp.floor(r)
     level = lower + (jax.random.uniform(key, x.shape, r.dtype) < r - lower)
-    return jnp.where(x < 0, -level, level).astype(self._level_dtype()), norm
+    return gathered(jnp.where(x < 0, -level, level).astype(self._level_dtype())), norm
 
   def _decode(self, compact, key, shape, dtype):
     del key
@@ -146,7 +152,8 @@ def qsgd(levels: int, scaled: bool = True) -> QSGD:
   et al. 2019). Wire form per layer: every entry's signed level ``sign(x_i) xi_i`` in
   ``-s, ..., s`` as ``int8`` (``int16`` above 127 levels, ``int32`` above 32,767), and
   the norm, computed and sent in float32 for a 16-bit layer (float16 ends at 65,504) and
-  in the layer's dtype otherwise. (A bit-packed code of ``1 + ceil(log2(s + 1))`` bits per
+  in the layer's dtype otherwise; a layer split over a node's devices (Explicit mesh) sums its
+  norm over the pieces and gathers the int8 levels, the message. (A bit-packed code of ``1 + ceil(log2(s + 1))`` bits per
   entry, or the paper's Elias coding, would send fewer.)
 
   Args:

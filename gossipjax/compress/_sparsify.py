@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gossipjax.compress._base import Compressor, check_fraction, require_floating
+from gossipjax.compress._base import Compressor, check_fraction, gathered, require_floating, row_pieces, split_spec
 
 
 def _num_kept(fraction: float, size: int) -> int:
@@ -67,8 +67,16 @@ class TopK(Compressor):
 
   def _encode(self, x, key):
     if not self._sparse_is_smaller(x.size, x.dtype):
-      return (self._leaf(x, key),)
-    idx, values = self._top(x)
+      return (self._leaf(gathered(x), key),)
+    rows = row_pieces(x)
+    if rows is not None:  # a node split over devices: the top k of each piece, gathered, hold the top k
+      k = _num_kept(self.fraction, x.size)
+      _, local = lax.top_k(jnp.abs(rows), min(k, rows.shape[1]))
+      values = gathered(jnp.take_along_axis(rows, local, axis=1).ravel())
+      candidates = gathered((local + rows.shape[1] * jnp.arange(rows.shape[0])[:, None]).ravel())
+      _, best = lax.top_k(jnp.abs(values), k)  # ties keep the lower index first, as one top_k over x does
+      return values[best], candidates[best].astype(index_dtype(x.size, self._name))
+    idx, values = self._top(gathered(x))
     return values, idx.astype(index_dtype(x.size, self._name))
 
   def _decode(self, compact, key, shape, dtype):
@@ -87,7 +95,10 @@ def top_k(fraction: float) -> TopK:
   that addresses the layer (``uint8`` up to 256 entries, ``uint16`` up to 65,536, else
   ``uint32``), or the dense layer when that is not larger.
 
-  ``k`` is rounded up, so every layer keeps at least one entry; the CHOCO-SGD authors'
+  A layer split over a node's devices along its first dimension (``P("nodes", "model")`` on an
+  Explicit mesh) is selected piece by piece: each device takes the top k of its piece, and
+  the D * k candidates (values and indices), gathered, hold the layer's top k; other splits
+  gather the layer. ``k`` is rounded up, so every layer keeps at least one entry; the CHOCO-SGD authors'
   code rounds down (``int(fraction * d)``), which keeps one entry fewer whenever
   ``fraction * d`` is not a whole number.
 
@@ -153,7 +164,8 @@ class RandomK(Compressor):
 
   def _encode(self, x, key):
     idx = self._indices(x.size, key)
-    values = x.ravel()[idx]
+    flat = x.ravel()
+    values = flat[idx] if split_spec(x) is None else flat.at[idx].get(out_sharding=jax.sharding.PartitionSpec())
     if self.scaled:
       values = values * (x.size / idx.size)
     return (values.astype(x.dtype),)
@@ -182,6 +194,7 @@ def random_k(fraction: float, scaled: bool = True) -> RandomK:
   (unbiased, ``omega = d / k - 1``); with ``scaled=False`` it is a contraction with
   ``delta = k / d`` in expectation. Wire form per layer: the k values only. Sender and
   receiver share the key, so the receiver draws the same indices instead of receiving them.
+  A layer split over a node's devices (Explicit mesh) gathers only its k values.
 
   Args:
     fraction: the share of each layer's entries to keep, in (0, 1].

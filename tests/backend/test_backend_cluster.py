@@ -239,6 +239,33 @@ def test_choco_on_a_changing_graph_reports_the_bytes_its_permutes_carry(topo):
   np.testing.assert_allclose(gj.bytes_per_step(sim, x0, steps=2), [reported, reported])
 
 
+@pytest.mark.parametrize("kind", [EXPLICIT, AUTO], ids=["explicit", "auto"])
+def test_choco_on_model_sharded_nodes_equals_the_simulation(kind):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((4, 2), ("nodes", "model"), axis_types=(kind, kind))
+  be = gj.backend.sharded(mesh)
+  rng = np.random.default_rng(0)
+  host = {"w": rng.normal(size=(8, 16, 4)).astype(np.float32), "b": rng.normal(size=(8, 4)).astype(np.float32)}
+  layout = {"w": P("nodes", "model"), "b": P("nodes")}
+  for compressor in (gj.compress.top_k(0.1), gj.compress.sign(), gj.compress.random_k(0.1), gj.compress.qsgd(4)):
+    x = {k: jax.device_put(host[k], NamedSharding(mesh, layout[k])) for k in host}
+    tx = gj.choco_sgd(T.ring(8), compressor, learning_rate=0.1, consensus_step=0.5, backend=be, seed=1)
+    sim = gj.choco_sgd(T.ring(8), compressor, learning_rate=0.1, consensus_step=0.5, seed=1)
+    step = jax.jit(lambda p, s: tx.update(jax.tree.map(lambda v: 0.1 * v, p), s, p))
+    state, sim_state, y = tx.init(x), sim.init(host), host
+    for _ in range(1):
+      u, state = step(x, state)
+      x = jax.tree.map(jnp.add, x, u)
+      u, sim_state = sim.update(jax.tree.map(lambda v: 0.1 * v, y), sim_state, y)
+      y = jax.tree.map(jnp.add, y, u)
+    assert kind == AUTO or x["w"].sharding.is_equivalent_to(NamedSharding(mesh, layout["w"]), 3), compressor
+    for k in host:
+      np.testing.assert_allclose(x[k], y[k], rtol=0, atol=1e-6, err_msg=f"{compressor} {k}")
+    assert isinstance(state, gj.ChocoState) and isinstance(sim_state, gj.ChocoState)
+    np.testing.assert_array_equal(state.message_bits, sim_state.message_bits)
+
+
 def _collective_lines(compiled_text: str) -> list[str]:
   return [line for line in compiled_text.split("\n")
           if re.search(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(?:-start)?\(", line)]
