@@ -71,8 +71,6 @@ HARNESSES = {
 }
 
 # Holes whose fix lies outside the backends, the checkpoints, the job and the compressors:
-# (method, backend) -> the hole. Each is a strict xfail: the fix makes its test fail until removed here.
-# Holes whose fix lies outside the backends, the checkpoints, the job and the compressors:
 # (method, backend, what its failing lines say) -> the hole. Each is a strict xfail: once its
 # lines are gone, the test fails until the entry is removed.
 _HIDDEN = ("gj.chain vmaps one-node code with its node axis named 'nodes' (gossipjax/_axis.py AXIS), the default "
