@@ -77,13 +77,14 @@ _HIDDEN = ("gj.chain vmaps one-node code with its node axis named 'nodes' (gossi
            "pmap axis name of gj.backend.pmapped, and so hides the pmap axis: lax.axis_size('nodes') reads the "
            "block's 2, not the 4 devices, and the backend refuses it (a pmap axis of another name works)")
 _ON_ONE_DEVICE = ("on an Auto mesh (the main job's), an eager init through gj.nodes (gj.chain; the inner and outer "
-                  "optimizers of diloco, noloco and outer_optimizer) leaves its node-stacked state on one device: "
-                  "the eager path of gossipjax/_nodes.py jits the mapped init without placing its outputs")
+                  "optimizers of diloco, streaming_diloco, noloco and outer_optimizer) leaves its node-stacked state "
+                  "on one device: the eager path of gossipjax/_nodes.py jits the mapped init without placing its "
+                  "outputs")
 KNOWN: dict[tuple[str, str, str], str] = {
     ("gradient_tracker", "pmapped", "the pmap axis is named 'nodes'"): _HIDDEN,
     ("mix", "pmapped", "the pmap axis is named 'nodes'"): _HIDDEN,
     **{(m, b, "are not placed as the params are"): _ON_ONE_DEVICE
-       for m in ("diloco", "noloco", "outer_optimizer", "gradient_tracker", "mix")
+       for m in ("diloco", "streaming_diloco", "noloco", "outer_optimizer", "gradient_tracker", "mix")
        for b in ("sharded-1-per-device", "hierarchical")},
 }
 

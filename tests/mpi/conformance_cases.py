@@ -63,6 +63,10 @@ def methods(n: int) -> dict[str, Callable[[Any], optax.GradientTransformation]]:
       "easgd": lambda be: gj.easgd(learning_rate=LR, alpha=0.1, center_rate=0.5, every=2, backend=be),
       "diloco": lambda be: gj.diloco(optax.sgd(LR, momentum=0.9), inner_steps=2, backend=be),
       "noloco": lambda be: gj.noloco(optax.sgd(LR), pairs, inner_steps=2, backend=be),
+      # Two fragments, each synchronised every 4 steps (one at the second step, one at the fourth)
+      # and applied a step later: the restored run syncs and applies the second.
+      "streaming_diloco": lambda be: gj.streaming_diloco(optax.sgd(LR, momentum=0.9), num_fragments=2, inner_steps=4,
+                                                         overlap=1, mixing=0.5, backend=be),
       "outer_optimizer": lambda be: gj.outer_optimizer(optax.adam(LR), optax.sgd(0.7, momentum=0.5), inner_steps=2,
                                                        topology=ring, backend=be),
       "gradient_tracker": lambda be: gj.chain(gj.gradient_tracker(exponential, backend=be), optax.sgd(LR),
