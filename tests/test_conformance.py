@@ -103,6 +103,12 @@ def _assert_conforms(backend: str, errors: list[str]) -> None:
     pytest.xfail("; ".join(f"{', '.join(sorted(ms))} on {backend}: {hole}" for hole, ms in holes.items()))
 
 
+def test_the_matrix_has_a_row_for_every_public_method():
+  """A method added to gj.algorithms (or gj.mix) without a row here fails, so the matrix cannot fall behind."""
+  public = {name for name in gj.algorithms.__all__ if name[0].islower()} | {"mix"}
+  assert public == set(cc.methods(N)), public ^ set(cc.methods(N))
+
+
 def test_every_method_conforms_on_simulate():
   """The reference itself: a run restored mid-way equals the uninterrupted one."""
   sim = _simulation()
