@@ -313,8 +313,9 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
 
   How the nodes are mapped: ``jax.vmap(..., axis_name="nodes")`` over the arrays the
   backend's transforms see (all n nodes when simulating or sharded, where the compiler keeps
-  each node's work on its device; a rank's own nodes under MPI); the collectives run the
-  backend's stacked mixer and mean.
+  each node's work on its device; a rank's own nodes under MPI; a device's block inside a
+  ``jax.pmap``, where the node axis is left unnamed if the pmap axis is itself named
+  ``"nodes"``); the collectives run the backend's stacked mixer and mean.
 
   Args:
     tx: an optax transform written for one node's params.
@@ -349,6 +350,9 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
   mesh = _mesh_of(backend)
 
   compiled: dict[Any, Any] = {}
+  # The node axis is named "nodes" for the user's own collectives, unless the backend's exchanges
+  # already run over an enclosing axis of that name (a pmap's): an inner name would hide it.
+  axis_name = None if getattr(backend, "axis_name", None) == AXIS else AXIS
 
   def place(args, in_axes):
     """On a mesh, every mapped leaf laid out over the node axis (vmap wants them alike)."""
@@ -370,7 +374,7 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
 
     in_axes = tuple(in_axes) if isinstance(in_axes, tuple) else (in_axes,) * len(args)
     args = place(args, in_axes)
-    call = jax.vmap(one, in_axes=(0, *in_axes), out_axes=out_axes, axis_name=AXIS)
+    call = jax.vmap(one, in_axes=(0, *in_axes), out_axes=out_axes, axis_name=axis_name)
     # Each node's index on the mapped axis, placed like the nodes (lax.axis_index would be an
     # unplaced iota, which an Explicit mesh refuses to mix with the node-sharded values).
     like = next((x for x in jax.tree.leaves(args) if jnp.ndim(x) and jnp.shape(x)[0] == n), None)
@@ -426,7 +430,9 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
     params = _materialize(params)
     n = _leading(params, where)
     try:
-      return init_state(params, n)
+      # The per-node state sits where the params' nodes sit (an Auto mesh's compiler would
+      # otherwise be free to put all of it on one device).
+      return follow_placement(init_state(params, n), params)
     except TypeError as e:
       raise TypeError(f"{where}: the state of this transform cannot be stacked over nodes ({str(e).splitlines()[0]}); "
                       "a transform mapped over nodes needs a state whose leaves are arrays") from e

@@ -70,23 +70,9 @@ HARNESSES = {
     "pmapped": _pmapped,
 }
 
-# Holes whose fix lies outside the backends, the checkpoints, the job and the compressors:
-# (method, backend, what its failing lines say) -> the hole. Each is a strict xfail: once its
-# lines are gone, the test fails until the entry is removed.
-_HIDDEN = ("gj.chain vmaps one-node code with its node axis named 'nodes' (gossipjax/_axis.py AXIS), the default "
-           "pmap axis name of gj.backend.pmapped, and so hides the pmap axis: lax.axis_size('nodes') reads the "
-           "block's 2, not the 4 devices, and the backend refuses it (a pmap axis of another name works)")
-_ON_ONE_DEVICE = ("on an Auto mesh (the main job's), an eager init through gj.nodes (gj.chain; the inner and outer "
-                  "optimizers of diloco, streaming_diloco, noloco and outer_optimizer) leaves its node-stacked state "
-                  "on one device: the eager path of gossipjax/_nodes.py jits the mapped init without placing its "
-                  "outputs")
-KNOWN: dict[tuple[str, str, str], str] = {
-    ("gradient_tracker", "pmapped", "the pmap axis is named 'nodes'"): _HIDDEN,
-    ("mix", "pmapped", "the pmap axis is named 'nodes'"): _HIDDEN,
-    **{(m, b, "are not placed as the params are"): _ON_ONE_DEVICE
-       for m in ("diloco", "streaming_diloco", "noloco", "outer_optimizer", "gradient_tracker", "mix")
-       for b in ("sharded-1-per-device", "hierarchical")},
-}
+# Holes a fix has yet to close: (method, backend, what its failing lines say) -> the hole. Each
+# is a strict xfail: once its lines are gone, the test fails until the entry is removed.
+KNOWN: dict[tuple[str, str, str], str] = {}
 
 
 def _assert_conforms(backend: str, errors: list[str]) -> None:

@@ -22,10 +22,10 @@ from gossipjax.topology import Topology
 def check_pmap_size(axis: str, num_devices: int, block: int) -> None:
   """Refuses a pmap over ``axis`` whose size is not the ``num_devices`` the backend was built for.
 
-  ``lax.axis_size`` reads the innermost axis of that name. Inside `gj.chain` / `gj.nodes` the
-  one-node code is vmapped over this device's block with its node axis named ``"nodes"``, the
-  pmap axis's default name: there the size read is the block's, and a mean scaled by it would
-  be silently wrong, so it is refused with the way out (another name for the pmap axis).
+  ``lax.axis_size`` reads the innermost axis of that name. `gj.chain` / `gj.nodes` leave their
+  node axis unnamed on a pmapped backend whose axis is ``"nodes"``, so it is not hidden there; a
+  user's own ``jax.vmap(..., axis_name="nodes")`` around the step would hide it, and a mean
+  scaled by the block's size would be silently wrong, so that is refused with the way out.
   """
   size = lax.axis_size(axis)
   if size == num_devices:
