@@ -16,9 +16,14 @@ from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._nodes import per_node
 from gossipjax._validation import (FLOAT32_MAX, check_in_range, check_learning_rate, check_node_axis, check_period,
                                    require_params)
+from gossipjax.algorithms._choco import _DecodeReceived, _raw_key
 from gossipjax.algorithms._common import check_state_dtype, copy_of
-from gossipjax.mixing import Backend, float_leaves_only, make_mixer, resolve_backend
-from gossipjax.mixing._named import node_average
+from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
+from gossipjax.mixing._named import node_average, node_index, node_shape, on_nodes
+from gossipjax._axis import mapping
+from gossipjax.backend._traffic import gathered_mean
+from gossipjax.compress import Compressor
+from gossipjax.compress._base import wire_bits
 from gossipjax.topology import as_topology
 from gossipjax.mixing._contract import next_count
 
@@ -33,12 +38,18 @@ class OuterState(NamedTuple):
       like the params (leading node axis).
     inner_state: the inner transform's state, one per node (leading node axis on every leaf).
     outer_state: the outer transform's state, one per node (leading node axis on every leaf).
+    residual: with a ``compressor``, each node's error-feedback residual: what its
+      compressed pseudo-gradients have not sent yet, shaped like the anchor; else ``None``.
+    key: with a ``compressor``, (nodes, 2) uint32, one PRNG key per node; node i compresses
+      outer round r with ``fold_in(key_i, r)``; else ``None``.
   """
 
   count: jax.Array
   anchor: Any
   inner_state: Any
   outer_state: Any
+  residual: Any = None
+  key: Any = None
 
   zeroes_skipped_nodes = True  # tells gj.guard_finite that a skipping node's update is zeroed before it is combined
 
@@ -70,6 +81,9 @@ def outer_optimizer(
     topology: Any = None,
     backend: Backend | None = None,
     state_dtype: DTypeLike | None = None,
+    compressor: Compressor | None = None,
+    error_feedback: bool = True,
+    key: jax.Array | int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Local training with an outer optimizer: ``inner_steps`` local steps, then one combined outer step.
 
@@ -100,6 +114,21 @@ def outer_optimizer(
   current params and keeps them (and its state) through the outer step: it rejoins at the
   next one, where the combined model pulls it back.
 
+  With a ``compressor`` the exchange carries each node's compressed pseudo-gradient instead
+  of its model, with error feedback (Seide et al. 2014; Karimireddy et al. 2019): node i
+  sends :math:`q_i = C(\Delta_i + e_i)`, :math:`\Delta_i = \phi_i - \theta_i`, keeps
+  :math:`e_i \leftarrow \Delta_i + e_i - q_i` (in ``OuterState.residual``), and steps along
+  the mean :math:`\frac1n \sum_j q_j` (without a topology) or the mix :math:`(Wq)_i` (with
+  one) of the decoded messages. The mean equals the uncompressed pseudo-gradient where
+  every node holds the same :math:`\phi` (DiLoCo); in the gossip form the messages carry no
+  :math:`\phi_j`, so the pull towards the neighbours' outer params is not part of the step:
+  nodes paired in a round take the same step, and outer params that differ stay apart.
+  A gossip round sends the compact form (``compressor.bits``, e.g. a quarter of float32
+  for 8-bit ``qsgd``) to each neighbour; the mean is counted by ``gj.bytes_per_step`` as an
+  all-gather of the compact messages, ``(n - 1)`` of them per node, which is what the
+  exact mean of differently sparsified or scaled messages needs (a ring all-reduce of the
+  dense pseudo-gradient sends ``2 (n - 1) / n`` of the dense size).
+
   Args:
     inner: the local optimizer, e.g. ``optax.adamw(4e-4, weight_decay=0.1)``.
     outer: the outer optimizer on the pseudo-gradients, e.g.
@@ -115,14 +144,19 @@ def outer_optimizer(
       ``jnp.float32`` for bfloat16 params; ``None`` keeps the params'. ``inner``'s state
       follows ``inner`` (e.g. ``optax.adamw(..., mu_dtype=jnp.float32)``). The updates are in
       the params' dtype.
+    compressor: ``None`` (the models travel densely) or a ``gj.compress`` compressor for the
+      pseudo-gradients, e.g. ``gj.compress.top_k(0.1)`` or ``gj.compress.qsgd(127)`` (8 bits).
+    error_feedback: with a ``compressor``, carry what it did not send into the next round.
+    key: with a random ``compressor``, the PRNG key (``jax.random.key(0)``, a raw key or an
+      int seed); node i draws round r from ``fold_in(fold_in(key, i), r)``.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
     state is an `OuterState`; non-float leaves are left alone.
 
   Raises:
-    TypeError: ``inner`` or ``outer`` is not an optax transform; at ``init``, ``inner``'s or
-      ``outer``'s state cannot be stacked per node.
+    TypeError: ``inner`` or ``outer`` is not an optax transform, or ``compressor`` is not a
+      compressor; at ``init``, ``inner``'s or ``outer``'s state cannot be stacked per node.
     ValueError: ``inner_steps`` is not a positive integer, or the topology is not doubly
       stochastic and connected.
 
@@ -142,20 +176,42 @@ def outer_optimizer(
     [0.5, 3.5]
     [2.0, 2.0]
 
+    The same round with the pseudo-gradients sparsified to their largest entry; the rest
+    waits in the residual for the next round:
+
+    >>> tx = gj.outer_optimizer(optax.sgd(0.5), optax.sgd(1.0), inner_steps=1, compressor=gj.compress.top_k(0.5))
+    >>> x = jnp.zeros((2, 2))
+    >>> u, state = tx.update(x - jnp.array([[1.0, 2.0], [4.0, 3.0]]), tx.init(x), x)
+    >>> (x + u)[0].tolist(), state.residual.tolist()  # node 0 sent its -1, node 1 its -2
+    ([1.0, 0.5], [[-0.5, 0.0], [0.0, -1.5]])
+
   References:
     Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen (2023), DiLoCo:
     Distributed Low-Communication Training of Language Models, arXiv:2311.08105.
 
     Kolehmainen, Blagoev, Donaghy, Ersoy, Nies (2025), NoLoCo: No-all-reduce Low
     Communication Training Method for Large Models, arXiv:2506.10911.
+
+    Seide, Fu, Droppo, Li, Yu (2014), 1-Bit Stochastic Gradient Descent and its Application
+    to Data-Parallel Distributed Training of Speech DNNs, Interspeech.
+
+    Karimireddy, Rebjock, Stich, Jaggi (2019), Error Feedback Fixes SignSGD and other
+    Gradient Compression Schemes, ICML.
   """
-  return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.outer_optimizer", state_dtype)
+  return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.outer_optimizer", state_dtype,
+                          compressor, error_feedback, key)
 
 
 def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientTransformation, inner_steps: int,
                      topology: Any, backend: Backend | None, name: str,
-                     state_dtype: DTypeLike | None = None) -> optax.GradientTransformationExtraArgs:
+                     state_dtype: DTypeLike | None = None, compressor: Compressor | None = None,
+                     error_feedback: bool = True, key: Any = 0) -> optax.GradientTransformationExtraArgs:
   """`outer_optimizer`, with ``name`` (the public function called) in its error messages."""
+  if compressor is not None and not isinstance(compressor, Compressor):
+    raise TypeError(f"{name}: compressor must be a gj.compress compressor (e.g. gj.compress.top_k(0.1)) or None, "
+                    f"got {type(compressor).__name__} {compressor!r}")
+  with jax.ensure_compile_time_eval():  # concrete even when built inside a trace (optax.inject_hyperparams)
+    base_key = _raw_key(key, name)
   _check_transform(inner, name, "inner", "optax.adamw(4e-4)")
   _check_transform(outer, name, "outer", "optax.sgd(0.7, momentum=0.9, nesterov=True)")
   period = check_period(inner_steps, name, "inner_steps")
@@ -171,14 +227,44 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
       raise TypeError(f"{name}: the state of {arg} cannot be stacked per node ({e}); every node runs its own "
                       f"{arg}, so its state must be a pytree of arrays") from e
 
+  def first_node():
+    return 0 if mixer is None else mixer.first_node()
+
   def init_fn(params):
     anchor = copy_of(params, state_dtype)
-    return OuterState(
+    state = OuterState(
         count=jnp.zeros([], jnp.int32),
         anchor=anchor,
         inner_state=stacked_init(inner_pn, params, "inner"),
         outer_state=stacked_init(outer_pn, anchor, "outer"),
     )
+    if compressor is None:
+      return state
+    shape = node_shape(params)
+    keys = jnp.vectorize(lambda i: jax.random.fold_in(base_key, i), signature="()->(k)")(
+        node_index(first_node(), shape[0] if shape else 1))
+    return state._replace(residual=optax.tree.zeros_like(anchor), key=follow_placement(keys, params))
+
+  def compressed(pseudo_grads, residual, node_keys, outer_round):
+    """Each node's pseudo-gradient plus residual, compressed; their mean or mix; the new residuals."""
+    node_map = lambda fn: on_nodes(fn, backend)
+    c = compressor
+    assert c is not None
+    sent = jax.tree.map(lambda g, e: g + e, pseudo_grads, residual) if error_feedback else pseudo_grads
+    keys = jnp.vectorize(lambda k: jax.random.fold_in(k, outer_round), signature="(k)->(k)")(node_keys)
+    treedef = jax.tree.structure(sent)
+    first = 0 if mapping() is not None else 1  # one node's shape: without the stacked node axis
+    like = tuple((tuple(x.shape[first:]), jnp.dtype(x.dtype)) for x in jax.tree.leaves(sent))
+    one_node = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*sd) for sd in like])
+    compact = node_map(c.encode)(sent, keys)
+    q = node_map(lambda parts, k: c.decode(parts, k, one_node))(compact, keys)
+    residual = jax.tree.map(lambda v, d: v - d, sent, q) if error_feedback else residual
+    if mixer is None:
+      with gathered_mean(sum(wire_bits(c.wire_spec(*sd)) for sd in like) / 8):
+        return node_average(backend, q, name), residual
+    decode = _DecodeReceived(c, tuple(np.asarray(base_key).tolist()), like)
+    wire = Wire([tuple(c) for c in treedef.flatten_up_to(compact)], decode, outer_round)
+    return mixer.mix(q, outer_round, wire), residual
 
   def combined(theta, outer_round):
     if mixer is None:
@@ -195,23 +281,27 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
     inner_updates = zero_skipped(jax.tree.map(lambda u, x: u.astype(x.dtype), inner_updates, params), skip_nodes)
 
     def outer_step(operands):
-      inner_updates, anchor, outer_state = operands
+      inner_updates, anchor, outer_state, residual = operands
       theta = jax.tree.map(lambda x, u: x + u, params, inner_updates)
       # Measured from where the round started, phi in the params' dtype: phi's extra digits
       # (state_dtype) are not fed back as a pseudo-gradient.
       start = jax.tree.map(lambda phi, x: phi.astype(x.dtype).astype(phi.dtype), anchor, params)
-      pseudo_grads = jax.tree.map(lambda phi, c: phi - c, start, combined(theta, state.count // period))
+      if compressor is None:
+        pseudo_grads = jax.tree.map(lambda phi, c: phi - c, start, combined(theta, state.count // period))
+      else:
+        local = jax.tree.map(lambda phi, t: phi - t.astype(phi.dtype), start, theta)
+        pseudo_grads, residual = compressed(local, residual, state.key, state.count // period)
       steps, outer_state = outer_pn.update(pseudo_grads, outer_state, anchor)
       anchor = jax.tree.map(lambda phi, s: (phi + s).astype(phi.dtype), anchor, steps)
       updates = jax.tree.map(lambda phi, x: phi.astype(x.dtype) - x, anchor, params)
-      return updates, anchor, outer_state
+      return updates, anchor, outer_state, residual
 
-    updates, anchor, outer_state = lax.cond(
+    updates, anchor, outer_state, residual = lax.cond(
         state.count % period == period - 1, outer_step, lambda operands: operands,
-        (inner_updates, state.anchor, state.outer_state))
+        (inner_updates, state.anchor, state.outer_state, state.residual))
     updates = zero_skipped(updates, skip_nodes)
     return updates, OuterState(count=next_count(state.count), anchor=anchor,
-                               inner_state=inner_state, outer_state=outer_state)
+                               inner_state=inner_state, outer_state=outer_state, residual=residual, key=state.key)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
@@ -225,6 +315,9 @@ def diloco(
     nesterov: bool = True,
     backend: Backend | None = None,
     state_dtype: DTypeLike | None = None,
+    compressor: Compressor | None = None,
+    error_feedback: bool = True,
+    key: jax.Array | int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: H local steps of ``inner`` per node, then an all-reduce and an outer Nesterov step.
 
@@ -254,6 +347,11 @@ def diloco(
     backend: where the nodes live (default: simulate); provides the all-reduce.
     state_dtype: the dtype of :math:`\phi` and :math:`m`, e.g. ``jnp.float32`` for bfloat16
       params (as in `outer_optimizer`); ``None`` keeps the params'.
+    compressor: ``None``, or a ``gj.compress`` compressor for each node's pseudo-gradient
+      (e.g. ``gj.compress.qsgd(7)``, 4 bits), averaged as decoded values (see
+      `outer_optimizer`).
+    error_feedback: with a ``compressor``, carry what it did not send into the next round.
+    key: the PRNG key or int seed of a random ``compressor``.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -284,7 +382,8 @@ def diloco(
   _check_outer_rates(outer_learning_rate, outer_momentum, "gj.diloco")
   _check_transform(inner, "gj.diloco", "inner", "optax.adamw(4e-4)")
   outer = optax.sgd(outer_learning_rate, momentum=outer_momentum, nesterov=nesterov)
-  return _outer_optimizer(inner, outer, inner_steps, None, backend, "gj.diloco", state_dtype)
+  return _outer_optimizer(inner, outer, inner_steps, None, backend, "gj.diloco", state_dtype, compressor,
+                          error_feedback, key)
 
 
 def _check_pairing(topology: Any, name: str) -> None:
@@ -318,6 +417,9 @@ def noloco(
     outer_momentum: float = 0.5,
     backend: Backend | None = None,
     state_dtype: DTypeLike | None = None,
+    compressor: Compressor | None = None,
+    error_feedback: bool = True,
+    key: jax.Array | int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   r"""NoLoCo: H local steps of ``inner``, then one exchange with a random peer and a modified momentum step.
 
@@ -360,6 +462,12 @@ def noloco(
     backend: where the nodes live (default: simulate).
     state_dtype: the dtype of :math:`\phi` and :math:`\delta` (as in `outer_optimizer`);
       ``None`` keeps the params'.
+    compressor: ``None``, or a ``gj.compress`` compressor: each node then sends its compressed
+      pseudo-gradient :math:`\Delta_i` (top-k with error feedback, as the authors offer) in
+      its compact form, and the bracket becomes the pair's mean of the decoded messages,
+      without the pull towards :math:`\frac12(\phi_i + \phi_j)` (see `outer_optimizer`).
+    error_feedback: with a ``compressor``, carry what it did not send into the next round.
+    key: the PRNG key or int seed of a random ``compressor``.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -390,4 +498,5 @@ def noloco(
   _check_transform(inner, "gj.noloco", "inner", "optax.adam(2e-4)")
   _check_pairing(topology, "gj.noloco")
   outer = optax.sgd(outer_learning_rate, momentum=outer_momentum)
-  return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.noloco", state_dtype)
+  return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.noloco", state_dtype, compressor,
+                          error_feedback, key)
