@@ -144,7 +144,7 @@ def bytes_per_step(tx: optax.GradientTransformation, params: Any, steps: int = 1
     2 * 3/4 * 40 bytes); gossip on a ring sends one model to each of 2 neighbours every step:
 
     >>> import jax.numpy as jnp, optax, gossipjax as gj
-    >>> x = jnp.zeros((4, 10))
+    >>> x = jnp.zeros((4, 10), jnp.float32)
     >>> gj.bytes_per_step(gj.diloco(optax.sgd(0.1), inner_steps=3), x, steps=3).tolist()
     [0.0, 0.0, 60.0]
     >>> gj.bytes_per_step(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1), x).tolist()
