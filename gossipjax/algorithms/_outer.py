@@ -18,14 +18,13 @@ from gossipjax._validation import (FLOAT32_MAX, check_in_range, check_learning_r
                                    require_params)
 from gossipjax.algorithms._choco import _DecodeReceived, _raw_key
 from gossipjax.algorithms._common import check_state_dtype, copy_of
-from gossipjax.mixing import (Backend, Wire, float_leaves_only, follow_placement, gathered_mean, make_mixer,
-                              resolve_backend)
+from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
 from gossipjax.mixing._named import node_average, node_index, node_shape, on_nodes
 from gossipjax._axis import mapping
 from gossipjax.compress import Compressor
 from gossipjax.compress._base import wire_bits
 from gossipjax.topology import as_topology
-from gossipjax.mixing._contract import next_count
+from gossipjax.mixing._contract import gathered_mean, next_count
 
 
 class OuterState(NamedTuple):

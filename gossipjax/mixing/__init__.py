@@ -7,7 +7,6 @@ position in an ``optax.chain`` is the algorithm. `make_mixer` is how an algorith
 
 from gossipjax.backend._base import Backend, Mixer, follow_placement
 from gossipjax.backend._blocks import Wire
-from gossipjax.backend._traffic import gathered_mean
 from gossipjax.mixing._contract import float_leaves_only, make_mixer, resolve_backend
 from gossipjax.mixing._mix import MixState, mix
 
@@ -17,7 +16,6 @@ __all__ = (
     "MixState",
     "Wire",
     "float_leaves_only",
-    "gathered_mean",
     "follow_placement",
     "make_mixer",
     "mix",
