@@ -68,7 +68,11 @@ def _connected_over_a_period(topo):
 @FAST
 @given(n=st.integers(2, 40), seed=st.integers(0, 2**31 - 1), p=st.floats(0.05, 1.0))
 def test_random_families_are_stochastic_connected_and_plans_equal_dense(n, seed, p):
-  pairs = T.random_pairs(n, seed=seed, period=4)
+  try:
+    pairs = T.random_pairs(n, seed=seed, period=4)
+  except ValueError as e:  # 4 random matchings can leave a small graph unconnected: refused, as documented
+    assert "do not connect" in str(e)
+    assume(False)
   _assert_doubly_stochastic(pairs)
   _assert_plans_equal_dense(pairs)
   try:
