@@ -11,6 +11,7 @@ import optax
 
 from gossipjax._axis import mapping
 from gossipjax.backend._base import follow_placement
+from gossipjax.mixing._named import varies_over_nodes
 
 
 class GuardFiniteState(NamedTuple):
@@ -142,17 +143,22 @@ def _bad_nodes(tree: Any, n: int | None) -> jax.Array:
 def _keep_old_for_bad(new: Any, old: Any, bad: jax.Array, n: int | None) -> Any:
   """Per-node leaves (leading axis n, numeric) of bad nodes go back to their old values.
 
-  For one node (``n`` is ``None``) its floating-point leaves are kept and its integer leaves
-  (step counts) advance.
+  For one node (``n`` is ``None``) its floating-point leaves and the integer leaves that
+  differ from node to node are kept, and the integer leaves every node holds alike (step
+  counts) advance.
   """
   if n is None:
-    # One node: its floating-point state (moments, trackers) is kept; integer state (step
-    # counts, which every node holds alike and which pick W(k)) advances.
-    def pick_one(a, b):
-      keep = jnp.issubdtype(a.dtype, jnp.inexact) and jnp.shape(a) == jnp.shape(b)
+    # One node: its floating-point state (moments, trackers) and its own integer state (an
+    # outer round it took part in) are kept; the shared step counts, which pick W(k), advance.
+    leaves, treedef = jax.tree.flatten(new)
+    own = varies_over_nodes(leaves, unknown=False)  # unknown inside a cond: integers advance
+
+    def pick_one(a, b, own):
+      keep = (jnp.issubdtype(a.dtype, jnp.inexact) or (own and jnp.issubdtype(a.dtype, jnp.integer))) \
+          and jnp.shape(a) == jnp.shape(b)
       return jnp.where(bad, b, a) if keep else a
 
-    return jax.tree.map(pick_one, new, old)
+    return jax.tree.unflatten(treedef, [pick_one(a, b, f) for a, b, f in zip(leaves, treedef.flatten_up_to(old), own)])
 
   def pick(a, b):
     if (isinstance(a, jax.Array) and a.ndim >= 1 and a.shape[0] == n and a.shape == jnp.shape(b)

@@ -19,7 +19,7 @@ from gossipjax._validation import (FLOAT32_MAX, check_in_range, check_learning_r
 from gossipjax.algorithms._choco import _DecodeReceived, _raw_key
 from gossipjax.algorithms._common import check_state_dtype, copy_of
 from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
-from gossipjax.mixing._named import node_average, node_index, node_shape, on_nodes
+from gossipjax.mixing._named import node_average, node_fractions, node_index, node_shape, on_nodes, varies_over_nodes
 from gossipjax._axis import mapping
 from gossipjax.compress import Compressor
 from gossipjax.compress._base import wire_bits
@@ -41,6 +41,10 @@ class OuterState(NamedTuple):
       compressed pseudo-gradients have not sent yet, shaped like the anchor; else ``None``.
     key: with a ``compressor``, (nodes, 2) uint32, one PRNG key per node; node i compresses
       outer round r with ``fold_in(key_i, r)``; else ``None``.
+    outer_steps: int32 scalar, the outer steps taken so far (rounds in which some node took
+      part).
+    synced: int32 (nodes,), for each node the ``outer_steps`` whose result its anchor holds;
+      a node with ``synced < outer_steps`` missed an outer step and rejoins at the next one.
   """
 
   count: jax.Array
@@ -49,8 +53,84 @@ class OuterState(NamedTuple):
   outer_state: Any
   residual: Any = None
   key: Any = None
+  outer_steps: Any = None
+  synced: Any = None
 
   zeroes_skipped_nodes = True  # tells gj.guard_finite that a skipping node's update is zeroed before it is combined
+
+
+def _node_mask(up: Any, params: Any, name: str) -> jax.Array:
+  """``up`` as a bool per node, checked against the node axis of ``params``."""
+  mask = jnp.asarray(up)
+  want = node_shape(params)
+  if mask.dtype != jnp.bool_ or mask.shape != want:
+    raise ValueError(f"{name}: up must be a bool array with one entry per node, of shape {want}, got "
+                     f"{mask.dtype} of shape {mask.shape}")
+  return mask
+
+
+def _per_node_leaf(x: Any, n: int) -> bool:
+  return (isinstance(x, jax.Array) and x.ndim >= 1 and x.shape[0] == n
+          and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
+def select_nodes(mask: jax.Array, new: Any, old: Any, own: list[bool] | None = None) -> Any:
+  """Per node, ``new`` where ``mask`` holds and ``old`` elsewhere.
+
+  On stacked trees the leaves without the node axis (what every node shares) are taken from
+  ``new``. For one node (inside ``gj.nodes``) ``own`` says which leaves differ per node (the
+  others are taken from ``new``); ``None`` selects every leaf.
+  """
+  leaves, treedef = jax.tree.flatten(new)
+  olds = treedef.flatten_up_to(old)
+  if mapping() is not None:
+    own = [True] * len(leaves) if own is None else own
+    return jax.tree.unflatten(treedef, [jnp.where(mask, a, b) if f else a for a, b, f in zip(leaves, olds, own)])
+  n = mask.shape[0]
+  pick = lambda a, b: jnp.where(mask.reshape((n,) + (1,) * (a.ndim - 1)), a, b) if _per_node_leaf(a, n) else a
+  return jax.tree.unflatten(treedef, [pick(a, b) for a, b in zip(leaves, olds)])
+
+
+class _Participation:
+  """The nodes that take part in an outer step, and the means and mixes over them.
+
+  ``mask`` is a bool per node and ``frac`` the fraction of all nodes it holds for (shared).
+  """
+
+  def __init__(self, mask: jax.Array, frac: jax.Array, backend: Backend, name: str):
+    self.mask, self.frac, self.backend, self.name = mask, frac, backend, name
+
+  def zero_others(self, tree: Any) -> Any:
+    return select_nodes(self.mask, tree, jax.tree.map(jnp.zeros_like, tree))
+
+  def divide(self, total: Any) -> Any:
+    """A mean over all nodes of values zero outside the participants, as their mean (zero if there are none)."""
+    frac = jnp.where(self.frac > 0, self.frac, 1)
+    return jax.tree.map(lambda t: (t.astype(frac.dtype) / frac).astype(t.dtype), total)
+
+  def mean(self, tree: Any, own: list[bool] | None = None) -> Any:
+    """The participants' mean of each leaf that differs per node (``own`` for one node; ``None``: all)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if mapping() is not None:
+      own = [True] * len(leaves) if own is None else own
+    else:
+      own = [_per_node_leaf(x, self.mask.shape[0]) for x in leaves]
+    picked = [x for x, f in zip(leaves, own) if f]
+    as_float = [x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(self.frac.dtype) for x in picked]
+    means = self.divide(node_average(self.backend, self.zero_others(as_float), self.name))
+    means = iter([m if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.round(m).astype(x.dtype)
+                  for m, x in zip(means, picked)])
+    return jax.tree.unflatten(treedef, [next(means) if f else x for x, f in zip(leaves, own)])
+
+  def fill_self(self, mixed: Any, own: Any, mixer: Any, step: Any) -> Any:
+    """A gossip round among the participants: ``mixed`` (of the zeroed others) plus the weight they left to ``own``."""
+    weight = mixer.mix(self.mask.astype(self.frac.dtype), step)
+    kept = 1 - weight
+    if mapping() is None:
+      per_node = lambda x: kept.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
+    else:
+      per_node = lambda x: kept.astype(x.dtype)
+    return jax.tree.map(lambda m, x: m + per_node(x) * x, mixed, own)
 
 
 def _check_outer_rates(learning_rate: Any, momentum: Any, name: str) -> None:
@@ -109,9 +189,29 @@ def outer_optimizer(
   inner steps never communicate, and a whole-tree transform (``clip_by_global_norm``) sees one
   node. The inner state persists across rounds, as in DiLoCo.
 
-  Under ``gj.guard_finite`` a node that skips the last inner step of a round sends its
-  current params and keeps them (and its state) through the outer step: it rejoins at the
-  next one, where the combined model pulls it back.
+  **Partial participation.** ``update`` takes ``up`` (bool, one per node; what
+  `gj.asynchrony.synchronous` passes under faults): a node that is down neither computes nor
+  changes (its params and its inner state's own leaves are kept; step counts every node
+  shares advance). An outer step is taken over the nodes that take part, the live ones:
+
+  * without a topology (DiLoCo), the mean is over the participants, as torchft's quorum
+    takes it: :math:`\frac{1}{|P|}\sum_{j \in P}\theta_j`. Only a node that holds the last
+    outer result takes part; a live node that missed an outer step (down at it, or skipped
+    by ``gj.guard_finite``) rejoins: it takes the participants' outer params and outer
+    state, then steps with them, so every live node leaves the step with one model. Where
+    no live node holds the last result (all were held back alike), every live node takes
+    part. The rejoin costs one more all-reduce of the outer params and state, in the rounds
+    that have one (`gj.bytes_per_step` does not count it);
+  * over a topology (NoLoCo, gossip), a participant averages with the participants among
+    its neighbours and keeps the weight of the others: :math:`\sum_j w_{ij} p_j\theta_j +
+    (1 - \sum_j w_{ij} p_j)\theta_i`; a node that does not take part keeps its params and
+    state, and takes part again at the next outer step it is live for.
+
+  A round in which no node takes part changes no outer params. Under ``gj.guard_finite`` a
+  node whose gradient is not finite at the last inner step of a round skips that step and
+  is not averaged in: it missed the outer step (its state is held back by the guard) and
+  rejoins as above. With a ``compressor`` only the participants send; the others keep
+  their residuals.
 
   With a ``compressor`` the exchange carries each node's compressed pseudo-gradient instead
   of its model, with error feedback (Seide et al. 2014; Karimireddy et al. 2019): node i
@@ -150,14 +250,14 @@ def outer_optimizer(
       int seed); node i draws round r from ``fold_in(fold_in(key, i), r)``.
 
   Returns:
-    An optax transform over node-stacked params (its ``update`` needs ``params``) whose
-    state is an `OuterState`; non-float leaves are left alone.
+    An optax transform over node-stacked params (its ``update`` needs ``params`` and takes
+    ``up``, see above) whose state is an `OuterState`; non-float leaves are left alone.
 
   Raises:
     TypeError: ``inner`` or ``outer`` is not an optax transform, or ``compressor`` is not a
       compressor; at ``init``, ``inner``'s or ``outer``'s state cannot be stacked per node.
     ValueError: ``inner_steps`` is not a positive integer, or the topology is not doubly
-      stochastic and connected.
+      stochastic and connected; at ``update``, ``up`` is not a bool per node.
 
   Example:
     With ``optax.sgd(1.0)`` as the outer step, a round ends in the average of the nodes'
@@ -231,25 +331,35 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
 
   def init_fn(params):
     anchor = copy_of(params, state_dtype)
+    shape = node_shape(params)
+    index = node_index(first_node(), shape[0] if shape else 1)
     state = OuterState(
         count=jnp.zeros([], jnp.int32),
         anchor=anchor,
         inner_state=stacked_init(inner_pn, params, "inner"),
         outer_state=stacked_init(outer_pn, anchor, "outer"),
+        outer_steps=jnp.zeros([], jnp.int32),
+        # One count per node (the product keeps it per node inside gj.nodes).
+        synced=follow_placement((0 * index).astype(jnp.int32), params),
     )
     if compressor is None:
       return state
-    shape = node_shape(params)
-    keys = jnp.vectorize(lambda i: jax.random.fold_in(base_key, i), signature="()->(k)")(
-        node_index(first_node(), shape[0] if shape else 1))
+    keys = jnp.vectorize(lambda i: jax.random.fold_in(base_key, i), signature="()->(k)")(index)
     return state._replace(residual=optax.tree.zeros_like(anchor), key=follow_placement(keys, params))
 
-  def compressed(pseudo_grads, residual, node_keys, outer_round):
-    """Each node's pseudo-gradient plus residual, compressed; their mean or mix; the new residuals."""
+  def compressed(pseudo_grads, residual, node_keys, outer_round, takes_part=None):
+    """Each node's pseudo-gradient plus residual, compressed; their mean or mix; the new residuals.
+
+    With ``takes_part`` (a `_Participation`), the nodes outside it send nothing and keep their
+    residuals; the mean is over the participants, and in the mix a participant keeps for
+    itself the weight of the neighbours that do not take part.
+    """
     node_map = lambda fn: on_nodes(fn, backend)
     c = compressor
     assert c is not None
     sent = jax.tree.map(lambda g, e: g + e, pseudo_grads, residual) if error_feedback else pseudo_grads
+    if takes_part is not None:
+      sent = takes_part.zero_others(sent)
     keys = jnp.vectorize(lambda k: jax.random.fold_in(k, outer_round), signature="(k)->(k)")(node_keys)
     treedef = jax.tree.structure(sent)
     first = 0 if mapping() is not None else 1  # one node's shape: without the stacked node axis
@@ -257,50 +367,123 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
     one_node = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*sd) for sd in like])
     compact = node_map(c.encode)(sent, keys)
     q = node_map(lambda parts, k: c.decode(parts, k, one_node))(compact, keys)
-    residual = jax.tree.map(lambda v, d: v - d, sent, q) if error_feedback else residual
+    new_residual = jax.tree.map(lambda v, d: v - d, sent, q) if error_feedback else residual
+    if takes_part is not None:
+      q = takes_part.zero_others(q)
+      if error_feedback:
+        new_residual = select_nodes(takes_part.mask, new_residual, residual)
+    residual = new_residual
     if mixer is None:
       with gathered_mean(sum(wire_bits(c.wire_spec(*sd)) for sd in like) / 8):
-        return node_average(backend, q, name), residual
+        total = node_average(backend, q, name)
+      return (total if takes_part is None else takes_part.divide(total)), residual
     decode = _DecodeReceived(c, tuple(np.asarray(base_key).tolist()), like)
     wire = Wire([tuple(c) for c in treedef.flatten_up_to(compact)], decode, outer_round)
-    return mixer.mix(q, outer_round, wire), residual
+    mixed = mixer.mix(q, outer_round, wire)
+    return (mixed if takes_part is None else takes_part.fill_self(mixed, q, mixer, outer_round)), residual
 
   def combined(theta, outer_round):
     if mixer is None:
       return node_average(backend, theta, name)
     return mixer.mix(theta, outer_round)
 
-  def update_fn(updates, state, params=None, skip_nodes: SkipNodes | None = None, **extra_args):
+  def update_fn(updates, state, params=None, skip_nodes: SkipNodes | None = None, up: Any = None, **extra_args):
     grads = updates  # optax's name for the incoming tree; these methods take gradients
     require_params(params, name)
     if mixer is not None:
       check_node_axis(params, mixer.local_nodes, name, mixer.topology.name)
+    for fault_arg in ("loss_key", "loss_prob", "delivered"):  # gj.asynchrony.synchronous's, for gj.asynchrony.faulty_mix
+      extra_args.pop(fault_arg, None)
+    up = None if up is None else _node_mask(up, params, name)
     inner_updates, inner_state = inner_pn.update(grads, state.inner_state, params, **extra_args)
+    inner_updates = jax.tree.map(lambda u, x: u.astype(x.dtype), inner_updates, params)
+    in_mapping = mapping() is not None
+    if up is not None:  # a node that is down neither computes nor changes
+      own = varies_over_nodes(inner_state, unknown=True) if in_mapping else None
+      inner_state = select_nodes(up, inner_state, state.inner_state, own)
+      inner_updates = select_nodes(up, inner_updates, jax.tree.map(jnp.zeros_like, inner_updates))
     # A node that skips (gj.guard_finite) sends its current params and keeps them.
-    inner_updates = zero_skipped(jax.tree.map(lambda u, x: u.astype(x.dtype), inner_updates, params), skip_nodes)
+    inner_updates = zero_skipped(inner_updates, skip_nodes)
+    outer_round = state.count // period
+    # Which leaves of the outer state are one node's own (inside gj.nodes), read here: a cond's
+    # branch is traced before it is mapped.
+    own_outer = varies_over_nodes(state.outer_state, unknown=True) if in_mapping else None
 
     def outer_step(operands):
-      inner_updates, anchor, outer_state, residual = operands
+      inner_updates, anchor, outer_state, residual, outer_steps, synced = operands
       theta = jax.tree.map(lambda x, u: x + u, params, inner_updates)
       # Measured from where the round started, phi in the params' dtype: phi's extra digits
       # (state_dtype) are not fed back as a pseudo-gradient.
       start = jax.tree.map(lambda phi, x: phi.astype(x.dtype).astype(phi.dtype), anchor, params)
       if compressor is None:
-        pseudo_grads = jax.tree.map(lambda phi, c: phi - c, start, combined(theta, state.count // period))
+        pseudo_grads = jax.tree.map(lambda phi, c: phi - c, start, combined(theta, outer_round))
       else:
         local = jax.tree.map(lambda phi, t: phi - t.astype(phi.dtype), start, theta)
-        pseudo_grads, residual = compressed(local, residual, state.key, state.count // period)
+        pseudo_grads, residual = compressed(local, residual, state.key, outer_round)
       steps, outer_state = outer_pn.update(pseudo_grads, outer_state, anchor)
       anchor = jax.tree.map(lambda phi, s: (phi + s).astype(phi.dtype), anchor, steps)
       updates = jax.tree.map(lambda phi, x: phi.astype(x.dtype) - x, anchor, params)
-      return updates, anchor, outer_state, residual
+      return updates, anchor, outer_state, residual, outer_steps + 1, synced + 1
 
-    updates, anchor, outer_state, residual = lax.cond(
-        state.count % period == period - 1, outer_step, lambda operands: operands,
-        (inner_updates, state.anchor, state.outer_state, state.residual))
+    def partial_step(operands):
+      """The outer step over the nodes that take part; the others keep theirs, or rejoin from the result."""
+      inner_updates, anchor, outer_state, residual, outer_steps, synced = operands
+      ok = jnp.ones(node_shape(params), bool) if up is None else up
+      if skip_nodes is not None:
+        ok = ok & ~skip_nodes.mask
+      dtype = jnp.result_type(jnp.float32, *[x.dtype for x in jax.tree.leaves(anchor)])
+      theta = jax.tree.map(lambda x, u: x + u, params, inner_updates)
+      start = jax.tree.map(lambda phi, x: phi.astype(x.dtype).astype(phi.dtype), anchor, params)
+      if mixer is None:
+        # DiLoCo's form: the nodes that hold the last result take part; one that missed an
+        # outer step takes the participants' outer params and state, then steps with them.
+        current = synced == outer_steps
+        frac_current, frac_ok, frac_stale = node_fractions(
+            backend, (ok & current, ok, ok & ~current), name, dtype)
+        anyone_current = frac_current > 0
+        mask = ok & (current | ~anyone_current)  # nobody current (all held back alike): every live node
+        takes_part = _Participation(mask, jnp.where(anyone_current, frac_current, frac_ok), backend, name)
+
+        own = None if own_outer is None else [True] * len(jax.tree.leaves(anchor)) + own_outer
+
+        def rejoin(phi_and_state):
+          return select_nodes(ok & ~mask, takes_part.mean(phi_and_state, own), phi_and_state, own)
+
+        anchor, outer_state = lax.cond(anyone_current & (frac_stale > 0), rejoin, lambda x: x, (anchor, outer_state))
+        start = jax.tree.map(lambda phi, x: phi.astype(x.dtype).astype(phi.dtype), anchor, params)
+      else:
+        (frac,) = node_fractions(backend, (ok,), name, dtype)
+        mask = ok
+        takes_part = _Participation(mask, frac, backend, name)
+      if compressor is None:
+        if mixer is None:
+          combined_theta = takes_part.mean(theta)
+        else:
+          combined_theta = takes_part.fill_self(mixer.mix(takes_part.zero_others(theta), outer_round), theta,
+                                                mixer, outer_round)
+        pseudo_grads = jax.tree.map(lambda phi, c: phi - c.astype(phi.dtype), start, combined_theta)
+      else:
+        local = jax.tree.map(lambda phi, t: phi - t.astype(phi.dtype), start, theta)
+        pseudo_grads, residual = compressed(local, residual, state.key, outer_round, takes_part)
+      steps, new_outer_state = outer_pn.update(pseudo_grads, outer_state, anchor)
+      new_anchor = jax.tree.map(lambda phi, s: (phi + s).astype(phi.dtype), anchor, steps)
+      receives = ok & (takes_part.frac > 0)
+      anchor = select_nodes(receives, new_anchor, anchor)
+      outer_state = select_nodes(receives, new_outer_state, outer_state, own_outer)
+      stepped = jax.tree.map(lambda phi, x: phi.astype(x.dtype) - x, anchor, params)
+      updates = select_nodes(receives, stepped, inner_updates)
+      synced = jnp.where(receives, outer_steps + 1, synced)
+      return updates, anchor, outer_state, residual, outer_steps + (takes_part.frac > 0).astype(jnp.int32), synced
+
+    participation = up is not None or skip_nodes is not None
+    updates, anchor, outer_state, residual, outer_steps, synced = lax.cond(
+        state.count % period == period - 1, partial_step if participation else outer_step,
+        lambda operands: operands,
+        (inner_updates, state.anchor, state.outer_state, state.residual, state.outer_steps, state.synced))
     updates = zero_skipped(updates, skip_nodes)
-    return updates, OuterState(count=next_count(state.count), anchor=anchor,
-                               inner_state=inner_state, outer_state=outer_state, residual=residual, key=state.key)
+    return updates, OuterState(count=next_count(state.count), anchor=anchor, inner_state=inner_state,
+                               outer_state=outer_state, residual=residual, key=state.key, outer_steps=outer_steps,
+                               synced=synced)
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
@@ -343,7 +526,10 @@ def diloco(
       the outer round.
     outer_momentum: :math:`\mu` in [0, 1) (0.9 in the paper).
     nesterov: Nesterov momentum (the paper's) or heavy-ball.
-    backend: where the nodes live (default: simulate); provides the all-reduce.
+    backend: where the nodes live (default: simulate); provides the all-reduce. ``update``
+      takes ``up`` (a bool per node): the outer step averages the live nodes that hold the
+      last result, and a node back from missing a round rejoins from it (see
+      `outer_optimizer`).
     state_dtype: the dtype of :math:`\phi` and :math:`m`, e.g. ``jnp.float32`` for bfloat16
       params (as in `outer_optimizer`); ``None`` keeps the params'.
     compressor: ``None``, or a ``gj.compress`` compressor for each node's pseudo-gradient
@@ -373,6 +559,19 @@ def diloco(
     ...   x = x + u
     >>> [round(float(v), 4) for v in x.ravel()]  # 0 + 0.7 * (1 + 0.9) * 1.5, on both nodes
     [1.995, 1.995]
+
+    Partial participation (see `outer_optimizer`): node 2 is down for the first round, which
+    averages nodes 0 and 1 only; in the next it rejoins from that result and takes part:
+
+    >>> tx = gj.diloco(optax.sgd(0.5), inner_steps=1, outer_learning_rate=1.0, outer_momentum=0.0)
+    >>> x, target = jnp.zeros((3, 1)), jnp.array([[1.0], [3.0], [8.0]])
+    >>> state = tx.init(x)
+    >>> for up in ([True, True, False], [True, True, True]):
+    ...   u, state = tx.update(x - target, state, x, up=jnp.array(up))
+    ...   x = x + u
+    ...   print(x.ravel().tolist())
+    [1.0, 1.0, 0.0]
+    [1.5, 1.5, 1.5]
 
   References:
     Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen (2023), DiLoCo:
@@ -458,7 +657,9 @@ def noloco(
     outer_learning_rate: :math:`\eta`, or an optax schedule, called with the outer round
       (see above for the recurrence it then computes).
     outer_momentum: :math:`\mu` in [0, 1).
-    backend: where the nodes live (default: simulate).
+    backend: where the nodes live (default: simulate). ``update`` takes ``up`` (a bool per
+      node): a live node whose peer is down keeps its own model for the peer's half (see
+      `outer_optimizer`).
     state_dtype: the dtype of :math:`\phi` and :math:`\delta` (as in `outer_optimizer`);
       ``None`` keeps the params'.
     compressor: ``None``, or a ``gj.compress`` compressor: each node then sends its compressed

@@ -53,12 +53,16 @@ def check_same_backend(current: Mapping, backend: Any, name: str) -> None:
                    "(e.g. inside one `with gj.backend.use(b):` block)")
 
 
-def varies_over_nodes(tree: Any) -> list[bool]:
+def varies_over_nodes(tree: Any, unknown: bool | None = None) -> list[bool]:
   """For each leaf of ``tree``, whether it differs from node to node (at trace time).
 
   Inside `gj.nodes` a per-node value (a moment, a tracker) varies over the node axis and a
   shared one (a step count, a hyperparameter) does not: what a leading node axis says of a
   stacked leaf, this says of one node's leaf. Outside a mapping every leaf counts as shared.
+
+  Inside a ``lax.cond`` or loop body under the mapping the branch is traced before it is
+  mapped, and the answer is not known there: every leaf is then ``unknown`` (a
+  ``RuntimeError`` if it is ``None``).
   """
   leaves = jax.tree.leaves(tree)
   if mapping() is None or not leaves:
@@ -78,6 +82,11 @@ def varies_over_nodes(tree: Any) -> list[bool]:
     return leaves, in_batched[0]
 
   probe(leaves, _witness())
+  if not flags:
+    if unknown is None:
+      raise RuntimeError("varies_over_nodes: called inside a control-flow body under the node mapping, where "
+                         "which values differ over the nodes is not known yet")
+    return [unknown] * len(leaves)
   return flags
 
 
@@ -164,6 +173,36 @@ def node_average(backend: Any, tree: Any, name: str) -> Any:
     return out, jax.tree.map(lambda _: True, out)
 
   return average(tree, _witness())
+
+
+def node_fractions(backend: Any, flags: Any, name: str, dtype: Any = jnp.float32) -> jax.Array:
+  """For per-node flags, the fraction of all nodes where each holds: one shared value per flag.
+
+  ``flags`` is a sequence of bool per-node values (``(n,)`` on stacked trees, a scalar for
+  one node inside a mapping); the result, of shape ``(len(flags),)`` and dtype ``dtype``, is
+  the same on every node and is not batched inside a mapping, so a ``lax.cond`` on it stays
+  a branch.
+  """
+  values = jnp.stack([jnp.asarray(f).astype(dtype) for f in flags], axis=-1)
+  current = mapping()
+  if current is None:
+    return jnp.max(backend.mean(values), axis=0)  # every node's row is the mean (a max, not [0]: rows may be sharded)
+  check_same_backend(current, backend, name)
+
+  @custom_vmap
+  def fractions(values, witness):
+    del witness
+    return values
+
+  @fractions.def_vmap
+  def rule(axis_size, in_batched, values, witness):
+    del witness
+    values = _stacked(values, in_batched[0], axis_size)
+    with mapped(None):
+      out = jnp.max(backend.mean(values), axis=0)
+    return out, False
+
+  return fractions(values, _witness())
 
 
 def node_index(first_node: jax.Array | int, num_nodes: int) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Under ``mpiexec -n 2``: 16-bit params cross as raw 16-bit words, and uneven blocks get the true mean."""
+"""Under ``mpiexec -n 2``: 16-bit params cross as raw 16-bit words, uneven blocks get the true mean, and the outer step takes the live nodes."""
 
 import re
 import sys
