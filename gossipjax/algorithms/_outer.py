@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
 import jax.numpy as jnp
+from jax.extend.core import Var
 import numpy as np
 import optax
 from jax import lax
@@ -19,12 +21,12 @@ from gossipjax._validation import (FLOAT32_MAX, check_in_range, check_learning_r
 from gossipjax.algorithms._choco import _DecodeReceived, _raw_key
 from gossipjax.algorithms._common import check_state_dtype, copy_of
 from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
-from gossipjax.mixing._named import node_average, node_fractions, node_index, node_shape, on_nodes, varies_over_nodes
+from gossipjax.mixing._named import node_all_to_all, node_average, node_fractions, node_gather, node_index, node_shape, on_nodes, varies_over_nodes
 from gossipjax._axis import mapping
 from gossipjax.compress import Compressor
-from gossipjax.compress._base import wire_bits
+from gossipjax.compress._base import leaf_keys
 from gossipjax.topology import as_topology
-from gossipjax.mixing._contract import gathered_mean, next_count
+from gossipjax.mixing._contract import accumulation_dtype, next_count
 
 
 class OuterState(NamedTuple):
@@ -57,6 +59,88 @@ class OuterState(NamedTuple):
   synced: Any = None
 
   zeroes_skipped_nodes = True  # tells gj.guard_finite that a skipping node's update is zeroed before it is combined
+
+
+def _decoding_reads_key(c: Compressor, compact: Any, key: Any, like: Any) -> bool:
+  """Whether decoding one node's ``compact`` tree reads the sender's key (a random index set does, a scale does not)."""
+  leaf_key = jax.eval_shape(lambda k: leaf_keys(k, 1)[0], key)
+  leaves, treedef = jax.tree.flatten(like)
+  return any(_reads_second(lambda p, k, x=x: c.decode_leaf(p, k, x.shape, x.dtype), parts, leaf_key)
+             for parts, x in zip(treedef.flatten_up_to(compact), leaves))
+
+
+def _reads_second(fn: Any, first: Any, second: Any) -> bool:
+  """Whether ``fn(first, second)`` reads its second argument (traced abstractly, on shapes)."""
+  jaxpr = jax.make_jaxpr(fn)(first, second).jaxpr
+  wanted = set(jaxpr.invars[len(jax.tree.leaves(first)):])
+  used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var)}
+  used |= {v for v in jaxpr.outvars if isinstance(v, Var)}
+  return bool(wanted & used)
+
+
+def _gathered_mean(c: Compressor, backend: Backend, name: str, compact: Any, keys: jax.Array, like: Any, first: int,
+                   reads_key: bool) -> Any:
+  """The mean over all nodes of the decoded ``compact`` messages: an all-gather, then every node decodes all n.
+
+  The keys travel only where decoding reads them (a random index set does, a scale does not).
+  """
+  if reads_key:
+    their_parts, their_keys = node_gather(backend, (compact, keys), name)
+  else:
+    their_parts, their_keys = node_gather(backend, compact, name), None
+  count = jax.tree.leaves(their_parts)[0].shape[0]
+  key_like = jnp.zeros(jnp.shape(keys)[first:], jnp.asarray(keys).dtype)
+
+  def add(total, item):
+    decoded = c.decode(item[0], item[1] if their_keys is not None else key_like, like)
+    return jax.tree.map(lambda t, v: t + v.astype(t.dtype) / count, total, decoded), None
+
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, accumulation_dtype(s.dtype)), like)
+  items = (their_parts, their_keys if their_keys is not None else jnp.zeros((count,), jnp.int32))
+  return jax.tree.map(lambda t, s: t.astype(s.dtype), lax.scan(add, zeros, items)[0], like)
+
+
+class _Chunks:
+  """One node's pytree as ``n`` equal pieces of one flat vector, the pieces of a reduce-scatter.
+
+  The leaves are concatenated in the widest float dtype among them and zero-padded to a
+  multiple of ``n``; piece k goes to node k.
+  """
+
+  def __init__(self, like: Any, n: int):
+    self.like, self.n = like, n
+    self.leaves, self.treedef = jax.tree.flatten(like)
+    self.dtype = jnp.result_type(*[x.dtype for x in self.leaves])
+    self.size = sum(math.prod(x.shape) for x in self.leaves)
+    self.width = -(-self.size // n)
+    self.piece = jax.ShapeDtypeStruct((self.width,), self.dtype)
+
+  def split(self, tree: Any) -> jax.Array:
+    flat = jnp.concatenate([x.astype(self.dtype).ravel() for x in jax.tree.leaves(tree)])
+    return jnp.pad(flat, (0, self.n * self.width - self.size)).reshape(self.n, self.width)
+
+  def join(self, pieces: jax.Array) -> Any:
+    flat, out, start = pieces.reshape(-1)[:self.size], [], 0
+    for x in self.leaves:
+      size = math.prod(x.shape)
+      out.append(flat[start:start + size].reshape(x.shape).astype(x.dtype))
+      start += size
+    return jax.tree.unflatten(self.treedef, out)
+
+  def encode(self, c: Compressor, tree: Any, key: jax.Array) -> tuple[Any, jax.Array, Any]:
+    """One node's pieces compressed (piece k with ``fold_in(key, k)``), their keys, and what they decode to."""
+    keys = jax.vmap(lambda k: jax.random.fold_in(key, k))(jnp.arange(self.n))
+    compact = jax.vmap(c.encode)(self.split(tree), keys)
+    decoded = jax.vmap(lambda p, k: c.decode(p, k, self.piece))(compact, keys)
+    return compact, keys, self.join(decoded)
+
+  def reduce(self, c: Compressor, received: Any, keys: jax.Array, key: jax.Array) -> tuple[Any, jax.Array]:
+    """The mean of the n received pieces, compressed again with ``fold_in(key, n)``."""
+    decoded = jax.vmap(lambda p, k: c.decode(p, k, self.piece))(received, keys)
+    wide = accumulation_dtype(self.dtype)
+    mean = jnp.sum(decoded.astype(wide) / self.n, axis=0).astype(self.dtype)
+    key = jax.random.fold_in(key, self.n)
+    return c.encode(mean, key), key
 
 
 def _node_mask(up: Any, params: Any, name: str) -> jax.Array:
@@ -163,6 +247,7 @@ def outer_optimizer(
     compressor: Compressor | None = None,
     error_feedback: bool = True,
     key: jax.Array | int = 0,
+    compressed_mean: str = "reduce_scatter",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Local training with an outer optimizer: ``inner_steps`` local steps, then one combined outer step.
 
@@ -223,10 +308,22 @@ def outer_optimizer(
   :math:`\phi_j`, so the pull towards the neighbours' outer params is not part of the step:
   nodes paired in a round take the same step, and outer params that differ stay apart.
   A gossip round sends the compact form (``compressor.bits``, e.g. a quarter of float32
-  for 8-bit ``qsgd``) to each neighbour; the mean is counted by ``gj.bytes_per_step`` as an
-  all-gather of the compact messages, ``(n - 1)`` of them per node, which is what the
-  exact mean of differently sparsified or scaled messages needs (a ring all-reduce of the
-  dense pseudo-gradient sends ``2 (n - 1) / n`` of the dense size).
+  for 8-bit ``qsgd``) to each neighbour. The mean travels compact in one of two forms
+  (``compressed_mean``):
+
+  * ``"reduce_scatter"`` (the default; a quantized all-reduce, as torchft's): each node's
+    vector (its leaves end to end, zero-padded) is cut into n pieces, each compressed on
+    its own with error feedback; node j receives every node's piece j (an all-to-all),
+    averages the decoded pieces, compresses that mean again and sends it to all (an
+    all-gather). Each node sends ``2 (n - 1) / n`` of its compact size, the ring
+    all-reduce's count on the compact form; the second compression is not fed back.
+  * ``"all_gather"``: every node's whole compact message goes to the ``n - 1`` others,
+    which decode all n and average: the exact mean of the decoded messages, for
+    ``(n - 1)`` compact messages a node.
+
+  A message carries its 8-byte key where decoding reads it (``random_k``'s indices).
+  ``gj.bytes_per_step`` counts these bytes, and on the sharded backend the compiled step's
+  all-to-alls and all-gathers move exactly them.
 
   Args:
     inner: the local optimizer, e.g. ``optax.adamw(4e-4, weight_decay=0.1)``.
@@ -248,6 +345,10 @@ def outer_optimizer(
     error_feedback: with a ``compressor``, carry what it did not send into the next round.
     key: with a random ``compressor``, the PRNG key (``jax.random.key(0)``, a raw key or an
       int seed); node i draws round r from ``fold_in(fold_in(key, i), r)``.
+    compressed_mean: with a ``compressor`` and no topology, how the compact messages are
+      averaged: ``"reduce_scatter"`` (compressed pieces, ``2 (n - 1) / n`` of a message a
+      node) or ``"all_gather"`` (the exact mean of the decoded messages, ``n - 1``
+      messages a node); see above.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params`` and takes
@@ -278,7 +379,8 @@ def outer_optimizer(
     The same round with the pseudo-gradients sparsified to their largest entry; the rest
     waits in the residual for the next round:
 
-    >>> tx = gj.outer_optimizer(optax.sgd(0.5), optax.sgd(1.0), inner_steps=1, compressor=gj.compress.top_k(0.5))
+    >>> tx = gj.outer_optimizer(optax.sgd(0.5), optax.sgd(1.0), inner_steps=1, compressor=gj.compress.top_k(0.5),
+    ...                         compressed_mean="all_gather")
     >>> x = jnp.zeros((2, 2))
     >>> u, state = tx.update(x - jnp.array([[1.0, 2.0], [4.0, 3.0]]), tx.init(x), x)
     >>> (x + u)[0].tolist(), state.residual.tolist()  # node 0 sent its -1, node 1 its -2
@@ -298,14 +400,18 @@ def outer_optimizer(
     Gradient Compression Schemes, ICML.
   """
   return _outer_optimizer(inner, outer, inner_steps, topology, backend, "gj.outer_optimizer", state_dtype,
-                          compressor, error_feedback, key)
+                          compressor, error_feedback, key, compressed_mean)
 
 
 def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientTransformation, inner_steps: int,
                      topology: Any, backend: Backend | None, name: str,
                      state_dtype: DTypeLike | None = None, compressor: Compressor | None = None,
-                     error_feedback: bool = True, key: Any = 0) -> optax.GradientTransformationExtraArgs:
+                     error_feedback: bool = True, key: Any = 0,
+                     compressed_mean: str = "reduce_scatter") -> optax.GradientTransformationExtraArgs:
   """`outer_optimizer`, with ``name`` (the public function called) in its error messages."""
+  if compressed_mean not in ("reduce_scatter", "all_gather"):
+    raise ValueError(f"{name}: compressed_mean must be 'reduce_scatter' or 'all_gather', got {compressed_mean!r}")
+  mean_form = compressed_mean
   if compressor is not None and not isinstance(compressor, Compressor):
     raise TypeError(f"{name}: compressor must be a gj.compress compressor (e.g. gj.compress.top_k(0.1)) or None, "
                     f"got {type(compressor).__name__} {compressor!r}")
@@ -326,13 +432,17 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
       raise TypeError(f"{name}: the state of {arg} cannot be stacked per node ({e}); every node runs its own "
                       f"{arg}, so its state must be a pytree of arrays") from e
 
-  def first_node():
-    return 0 if mixer is None else mixer.first_node()
+  def first_node(local):
+    if mixer is not None:
+      return mixer.first_node()
+    first_of_block = getattr(backend, "first_of_block", None)  # where the ranks or devices split the nodes
+    return 0 if first_of_block is None else first_of_block(local)
 
   def init_fn(params):
     anchor = copy_of(params, state_dtype)
     shape = node_shape(params)
-    index = node_index(first_node(), shape[0] if shape else 1)
+    local = shape[0] if shape else (mapping().num_nodes if mapping() is not None else 1)
+    index = node_index(first_node(local), shape[0] if shape else 1)
     state = OuterState(
         count=jnp.zeros([], jnp.int32),
         anchor=anchor,
@@ -365,8 +475,14 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
     first = 0 if mapping() is not None else 1  # one node's shape: without the stacked node axis
     like = tuple((tuple(x.shape[first:]), jnp.dtype(x.dtype)) for x in jax.tree.leaves(sent))
     one_node = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*sd) for sd in like])
-    compact = node_map(c.encode)(sent, keys)
-    q = node_map(lambda parts, k: c.decode(parts, k, one_node))(compact, keys)
+    scatter = mixer is None and mean_form == "reduce_scatter"
+    if scatter:
+      total = backend.gathered_nodes(mapping().num_nodes if mapping() is not None else jax.tree.leaves(sent)[0].shape[0])
+      chunks = _Chunks(one_node, total)
+      compact, chunk_keys, q = node_map(lambda x, k: chunks.encode(c, x, k))(sent, keys)
+    else:
+      compact = node_map(c.encode)(sent, keys)
+      q = node_map(lambda parts, k: c.decode(parts, k, one_node))(compact, keys)
     new_residual = jax.tree.map(lambda v, d: v - d, sent, q) if error_feedback else residual
     if takes_part is not None:
       q = takes_part.zero_others(q)
@@ -374,9 +490,30 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
         new_residual = select_nodes(takes_part.mask, new_residual, residual)
     residual = new_residual
     if mixer is None:
-      with gathered_mean(sum(wire_bits(c.wire_spec(*sd)) for sd in like) / 8):
-        total = node_average(backend, q, name)
-      return (total if takes_part is None else takes_part.divide(total)), residual
+      if scatter:
+        # Node j receives every node's piece j (an all-to-all), averages the decoded pieces and
+        # compresses the mean again; the compressed means are then all-gathered.
+        like_piece = chunks.piece
+        reads_key = _decoding_reads_key(c, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[first + 1:], x.dtype),
+                                                        compact), jax.ShapeDtypeStruct((2,), jnp.uint32), like_piece)
+        received = node_all_to_all(backend, (compact, chunk_keys) if reads_key else compact, name)
+        their, their_keys = received if reads_key else (received, chunk_keys)
+        reduced, reduced_keys = node_map(lambda r, rk, k: chunks.reduce(c, r, rk, k))(their, their_keys, keys)
+        if reads_key:
+          pieces, piece_keys = node_gather(backend, (reduced, reduced_keys), name)
+        else:
+          pieces = node_gather(backend, reduced, name)
+          piece_keys = jnp.zeros((total, 2), jnp.uint32)
+        mean = chunks.join(jax.vmap(lambda p, k: c.decode(p, k, like_piece))(pieces, piece_keys))
+      else:
+        # An all-gather of the compact messages: every node decodes all n and averages, the
+        # exact mean of differently sparsified or scaled messages.
+        reads_key = _decoding_reads_key(c, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[first:], x.dtype),
+                                                        compact), jax.ShapeDtypeStruct((2,), jnp.uint32), one_node)
+        mean = _gathered_mean(c, backend, name, compact, keys, one_node, first, reads_key)
+      if mapping() is None:
+        mean = follow_placement(jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape), mean, q), q)
+      return (mean if takes_part is None else takes_part.divide(mean)), residual
     decode = _DecodeReceived(c, tuple(np.asarray(base_key).tolist()), like)
     wire = Wire([tuple(c) for c in treedef.flatten_up_to(compact)], decode, outer_round)
     mixed = mixer.mix(q, outer_round, wire)
@@ -500,6 +637,7 @@ def diloco(
     compressor: Compressor | None = None,
     error_feedback: bool = True,
     key: jax.Array | int = 0,
+    compressed_mean: str = "reduce_scatter",
 ) -> optax.GradientTransformationExtraArgs:
   r"""DiLoCo: H local steps of ``inner`` per node, then an all-reduce and an outer Nesterov step.
 
@@ -537,6 +675,10 @@ def diloco(
       `outer_optimizer`).
     error_feedback: with a ``compressor``, carry what it did not send into the next round.
     key: the PRNG key or int seed of a random ``compressor``.
+    compressed_mean: with a ``compressor``, ``"reduce_scatter"`` (a quantized all-reduce:
+      compressed pieces, ``2 (n - 1) / n`` of a compact message a node) or ``"all_gather"``
+      (the exact mean of the decoded messages, ``n - 1`` compact messages a node); see
+      `outer_optimizer`.
 
   Returns:
     An optax transform over node-stacked params (its ``update`` needs ``params``) whose
@@ -544,7 +686,8 @@ def diloco(
 
   Raises:
     TypeError: ``inner`` is not an optax transform, or its state cannot be stacked per node.
-    ValueError: ``inner_steps`` is not a positive integer, or a rate is out of range.
+    ValueError: ``inner_steps`` is not a positive integer, a rate is out of range, or
+      ``compressed_mean`` is neither form.
 
   Example:
     Two nodes pull towards 1 and 3; one round of two local steps, then the outer step from
@@ -581,7 +724,7 @@ def diloco(
   _check_transform(inner, "gj.diloco", "inner", "optax.adamw(4e-4)")
   outer = optax.sgd(outer_learning_rate, momentum=outer_momentum, nesterov=nesterov)
   return _outer_optimizer(inner, outer, inner_steps, None, backend, "gj.diloco", state_dtype, compressor,
-                          error_feedback, key)
+                          error_feedback, key, compressed_mean)
 
 
 def _check_pairing(topology: Any, name: str) -> None:

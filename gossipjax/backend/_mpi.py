@@ -20,7 +20,7 @@ from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, Exchange
                                        check_bucket_bytes, Wire, check_divisible, compile_topology, mix_blocks,
                                        step_table_or_none, unpack)
 from gossipjax.backend._precision import mean_terms
-from gossipjax.backend._traffic import note_gossip, note_mean
+from gossipjax.backend._traffic import note_gossip, note_all_to_all, note_gather, note_mean
 from gossipjax.topology import Topology
 
 INSTALL_HINT = (
@@ -243,6 +243,49 @@ class Mpi:
       for i, total in zip(idx, unpack(summed, [partials[i] for i in idx])):
         totals[i] = total
     return jax.tree.unflatten(treedef, [jnp.broadcast_to(t, x.shape).astype(x.dtype) for t, x in zip(totals, leaves)])
+
+  def first_of_block(self, local: int) -> int:
+    """The global index of the first node of a block of ``local`` nodes where a transform runs."""
+    return self.rank * local
+
+  def gathered_nodes(self, local: int) -> int:
+    """How many nodes `gather` returns from blocks of ``local`` nodes."""
+    return local * self.size
+
+  def gather(self, tree: Any) -> Any:
+    """Every node's values, on every rank (one ``MPI_Allgather`` per leaf); the ranks' blocks must be equal."""
+    mpi4jax, _ = _import_mpi()
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+      return tree
+    local = int(jnp.shape(leaves[0])[0])
+    sizes = _host_comm(self.comm).allgather(local)
+    if len(set(sizes)) != 1:
+      raise ValueError(f"gj.backend.mpi().gather on rank {self.rank}: the ranks hold blocks of {sizes} nodes; "
+                       "an all-gather of compressed messages needs equal blocks")
+    note_gather(tree, local * self.size)
+
+    def leaf(x):
+      got = mpi4jax.allgather(as_words(x), comm=self.comm)
+      return from_words(got.reshape((local * self.size,) + tuple(x.shape[1:])), x.dtype)
+
+    return jax.tree.unflatten(treedef, [leaf(x) for x in leaves])
+
+  def all_to_all(self, tree: Any) -> Any:
+    """Node j's piece j of every node: leaves ``(b, n, ...)`` (piece k of local node i at ``[i, k]``) become
+    ``(b, n, ...)`` with ``[i, s]`` the piece of local node i that node s sent."""
+    mpi4jax, _ = _import_mpi()
+    note_all_to_all(tree)
+    size = self.size
+
+    def leaf(x):
+      b, n = x.shape[:2]
+      rest = tuple(x.shape[2:])
+      by_rank = jnp.moveaxis(as_words(x).reshape((b, size, n // size) + rest), 1, 0)  # (ranks, b, b, ...)
+      got = mpi4jax.alltoall(by_rank, comm=self.comm)  # [s]: rank s's b nodes' pieces for my b nodes
+      return from_words(jnp.swapaxes(got.reshape((n, n // size) + rest), 0, 1), x.dtype)
+
+    return jax.tree.map(leaf, tree)
 
   def local_nodes(self, num_nodes: int) -> int:
     return num_nodes // self.size

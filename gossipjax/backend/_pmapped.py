@@ -13,7 +13,7 @@ from gossipjax._axis import AXIS as NODE_AXIS
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import mean_terms
-from gossipjax.backend._traffic import note_gossip, note_mean
+from gossipjax.backend._traffic import note_gossip, note_all_to_all, note_gather, note_mean
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
                                        Wire, compile_topology, mix_blocks, step_table_or_none)
 from gossipjax.topology import Topology
@@ -121,6 +121,28 @@ class Pmapped:
     if leaves and jnp.ndim(leaves[0]):
       note_mean(tree, jnp.shape(leaves[0])[0] * lax.axis_size(self.axis_name))
     return jax.tree.map(leaf, tree)
+
+  def first_of_block(self, local: int) -> jax.Array | int:
+    """The global index of the first node of a block of ``local`` nodes where a transform runs."""
+    return lax.axis_index(self.axis_name) * local
+
+  def gathered_nodes(self, local: int) -> int:
+    """How many nodes `gather` returns from blocks of ``local`` nodes."""
+    return local * self.num_devices
+
+  def gather(self, tree: Any) -> Any:
+    """Every node's values, on every device of the pmap axis (an all-gather of the blocks)."""
+    leaves = jax.tree.leaves(tree)
+    if leaves and jnp.ndim(leaves[0]):
+      check_pmap_size(self.axis_name, self.num_devices, jnp.shape(leaves[0])[0])
+      note_gather(tree, jnp.shape(leaves[0])[0] * lax.axis_size(self.axis_name))
+    return jax.tree.map(lambda x: lax.all_gather(x, self.axis_name, tiled=True), tree)
+
+  def all_to_all(self, tree: Any) -> Any:
+    """Node j's piece j of every node: leaves ``(b, n, ...)`` (piece k of local node i at ``[i, k]``) become
+    ``(b, n, ...)`` with ``[i, s]`` the piece of local node i that node s sent."""
+    note_all_to_all(tree)
+    return jax.tree.map(lambda x: jnp.swapaxes(lax.all_to_all(x, self.axis_name, 1, 0, tiled=True), 0, 1), tree)
 
   def local_nodes(self, num_nodes: int) -> int:
     return num_nodes // self.num_devices

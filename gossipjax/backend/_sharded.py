@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
 from gossipjax.backend._precision import mean_terms
-from gossipjax.backend._traffic import note_gossip, note_mean
+from gossipjax.backend._traffic import note_all_to_all, note_gather, note_gossip, note_mean
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, buckets, check_bucket_bytes,
                                        check_divisible, Wire, compile_topology, mix_blocks, step_table_or_none,
                                        unpack)
@@ -350,6 +350,36 @@ class Sharded:
       n = x.shape[0] * lax.axis_size(axis)
       total = lax.psum(jnp.sum(mean_terms(x, n), axis=0, keepdims=True), axis)
       return jnp.broadcast_to(total, x.shape).astype(x.dtype)
+
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=P(axis), out_specs=P(axis))
+    return jax.tree.map(fn, conform(tree, self.mesh, jax.tree.map(lambda _: P(axis), tree)))
+
+  def first_of_block(self, local: int) -> int:
+    """The global index of the first node of a block of ``local`` nodes where a transform runs."""
+    return 0
+
+  def gathered_nodes(self, local: int) -> int:
+    """How many nodes `gather` returns from blocks of ``local`` nodes."""
+    return local
+
+  def gather(self, tree: Any) -> Any:
+    """Every node's values, on every device (an all-gather over the node axis), replicated."""
+    axis = self.axis
+    leaves = jax.tree.leaves(tree)
+    note_gather(tree, jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else 1)
+    # The gathered rows are the same on every device: replicated, which shard_map cannot infer.
+    fn = jax.shard_map(lambda x: lax.all_gather(x, axis, tiled=True), mesh=self.mesh, in_specs=P(axis),
+                       out_specs=P(), check_vma=False)
+    return jax.tree.map(fn, conform(tree, self.mesh, jax.tree.map(lambda _: P(axis), tree)))
+
+  def all_to_all(self, tree: Any) -> Any:
+    """Node j's piece j of every node: leaves ``(b, n, ...)`` (piece k of local node i at ``[i, k]``) become
+    ``(b, n, ...)`` with ``[i, s]`` the piece of local node i that node s sent."""
+    axis = self.axis
+    note_all_to_all(tree)
+
+    def body(x):  # (b, n, ...) -> pieces for each device's b nodes -> (n senders, b, ...) -> (b, n, ...)
+      return jnp.swapaxes(lax.all_to_all(x, axis, 1, 0, tiled=True), 0, 1)
 
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=P(axis), out_specs=P(axis))
     return jax.tree.map(fn, conform(tree, self.mesh, jax.tree.map(lambda _: P(axis), tree)))

@@ -14,7 +14,7 @@ from jax import lax
 from gossipjax.backend._base import node_sharding
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import accumulation_dtype, mean_terms
-from gossipjax.backend._traffic import note_gossip, note_mean
+from gossipjax.backend._traffic import note_gossip, note_all_to_all, note_gather, note_mean
 from gossipjax.backend._table import mix_from_table, plan_table
 from gossipjax.topology import MixingPlan, Topology
 
@@ -148,6 +148,26 @@ class Simulate:
       return jnp.broadcast_to(total.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else total, x.shape)
 
     return jax.tree.map(leaf, tree)
+
+  def first_of_block(self, local: int) -> int:
+    """The global index of the first node of a block of ``local`` nodes where a transform runs."""
+    return 0
+
+  def gathered_nodes(self, local: int) -> int:
+    """How many nodes `gather` returns from blocks of ``local`` nodes."""
+    return local
+
+  def gather(self, tree: Any) -> Any:
+    """Every node's values, on every node (the all-gather): the stacked tree itself."""
+    leaves = jax.tree.leaves(tree)
+    note_gather(tree, jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else 1)
+    return tree
+
+  def all_to_all(self, tree: Any) -> Any:
+    """Node j's piece j of every node: leaves ``(b, n, ...)`` (piece k of local node i at ``[i, k]``) become
+    ``(b, n, ...)`` with ``[i, s]`` the piece of local node i that node s sent."""
+    note_all_to_all(tree)
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), tree)
 
   def local_nodes(self, num_nodes: int) -> int:
     return num_nodes

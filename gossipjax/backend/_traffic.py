@@ -27,7 +27,6 @@ from gossipjax.backend._precision import accumulation_dtype
 
 _COUNT: contextvars.ContextVar["Traffic | None"] = contextvars.ContextVar("gossipjax_traffic", default=None)
 # While set: an all-reduce mean traced in the block is of decoded compact messages of this many bytes per node.
-_GATHERED: contextvars.ContextVar["float | None"] = contextvars.ContextVar("gossipjax_gathered", default=None)
 
 
 class Traffic:
@@ -86,19 +85,30 @@ def note_gossip(topology: Any, tree: Any, step: Any, wire: Any, first_node: Any)
   jax.debug.callback(tally, jnp.asarray(step), jnp.asarray(first_node))
 
 
-@contextlib.contextmanager
-def gathered_mean(compact_bytes: float) -> Iterator[None]:
-  """An all-reduce mean traced in the block averages decoded compact messages of ``compact_bytes`` per node.
+def note_gather(tree: Any, num_nodes: int) -> None:
+  """Counts one all-gather of the local block ``tree`` over ``num_nodes`` nodes: each node's part, to the ``n - 1`` others."""
+  traffic = _COUNT.get()
+  if traffic is None:
+    return
+  leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.ndim(x)]
+  if not leaves or num_nodes < 2:
+    return
+  local = jnp.shape(leaves[0])[0]
+  sent = local * (num_nodes - 1) * _bytes_per_node(leaves)
+  jax.debug.callback(lambda: traffic.add(sent))
 
-  It is counted as a ring all-gather of those messages sends them, ``(n - 1) * compact_bytes``
-  per node: every node needs every other node's message to form the exact mean of the decoded
-  values (sparse messages with different supports cannot be summed on the way).
-  """
-  token = _GATHERED.set(float(compact_bytes))
-  try:
-    yield
-  finally:
-    _GATHERED.reset(token)
+
+def note_all_to_all(tree: Any) -> None:
+  """Counts one all-to-all of the local block ``tree`` (leaves ``(b, n, ...)``): each node's n - 1 pieces for others."""
+  traffic = _COUNT.get()
+  if traffic is None:
+    return
+  leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.ndim(x) >= 2]
+  if not leaves:
+    return
+  local, n = jnp.shape(leaves[0])[:2]
+  sent = local * (n - 1) * sum(math.prod(jnp.shape(x)[2:]) * jnp.dtype(x.dtype).itemsize for x in leaves)
+  jax.debug.callback(lambda: traffic.add(sent))
 
 
 def note_mean(tree: Any, num_nodes: int) -> None:
@@ -110,13 +120,8 @@ def note_mean(tree: Any, num_nodes: int) -> None:
   if not leaves or num_nodes < 2:
     return
   local = jnp.shape(leaves[0])[0]
-  compact = _GATHERED.get()
-  if compact is not None:
-    sent = local * (num_nodes - 1) * compact
-  else:
-    size = sum(math.prod(jnp.shape(x)[1:]) * np.dtype(accumulation_dtype(np.dtype(x.dtype))).itemsize
-               for x in leaves)
-    sent = local * 2 * (num_nodes - 1) / num_nodes * size
+  size = sum(math.prod(jnp.shape(x)[1:]) * np.dtype(accumulation_dtype(np.dtype(x.dtype))).itemsize for x in leaves)
+  sent = local * 2 * (num_nodes - 1) / num_nodes * size
   jax.debug.callback(lambda: traffic.add(sent))
 
 

@@ -16,7 +16,7 @@ import optax
 from gossipjax.backend import Backend, simulate
 from gossipjax.backend._base import current
 from gossipjax._axis import mapping
-from gossipjax.backend._traffic import gathered_mean as gathered_mean  # the algorithms count bytes through here
+from gossipjax.backend._precision import accumulation_dtype as accumulation_dtype  # the algorithms sum through here
 from gossipjax.mixing._named import NodeMixer
 from gossipjax.topology import as_topology
 from gossipjax.topology._topology import Stochasticity

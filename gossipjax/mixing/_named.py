@@ -175,6 +175,68 @@ def node_average(backend: Any, tree: Any, name: str) -> Any:
   return average(tree, _witness())
 
 
+def node_gather(backend: Any, tree: Any, name: str) -> Any:
+  """Every node's values on every node: leaves ``(n, ...)`` over all n nodes, the same everywhere (not per node).
+
+  ``backend.gather`` on stacked trees, a collective inside a mapping (whose result is not
+  batched: every node holds the same gathered tree).
+  """
+  gather = getattr(backend, "gather", None)
+  if gather is None:
+    raise ValueError(f"{name}: backend {backend!r} has no gather (an all-gather of every node's values), which "
+                     "the mean of compressed messages needs")
+  current = mapping()
+  if current is None:
+    return gather(tree)
+  check_same_backend(current, backend, name)
+
+  @custom_vmap
+  def gathered(tree, witness):
+    del witness
+    total = backend.gathered_nodes(current.num_nodes)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (total,) + jnp.shape(x)), tree)
+
+  @gathered.def_vmap
+  def rule(axis_size, in_batched, tree, witness):
+    del witness
+    tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, in_batched[0])
+    with mapped(None):
+      out = gather(tree)
+    return out, jax.tree.map(lambda _: False, out)
+
+  return gathered(tree, _witness())
+
+
+def node_all_to_all(backend: Any, tree: Any, name: str) -> Any:
+  """Each node's n pieces (leaves ``(n, ...)`` per node) go one to each node: piece ``[s]`` of the result is what node s sent.
+
+  ``backend.all_to_all`` on stacked trees (leaves ``(b, n, ...)``), a collective inside a mapping.
+  """
+  exchange = getattr(backend, "all_to_all", None)
+  if exchange is None:
+    raise ValueError(f"{name}: backend {backend!r} has no all_to_all, which the reduce-scatter of compressed "
+                     "messages needs")
+  current = mapping()
+  if current is None:
+    return exchange(tree)
+  check_same_backend(current, backend, name)
+
+  @custom_vmap
+  def swapped(tree, witness):
+    del witness
+    return tree
+
+  @swapped.def_vmap
+  def rule(axis_size, in_batched, tree, witness):
+    del witness
+    tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, in_batched[0])
+    with mapped(None):
+      out = exchange(tree)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return swapped(tree, _witness())
+
+
 def node_fractions(backend: Any, flags: Any, name: str, dtype: Any = jnp.float32) -> jax.Array:
   """For per-node flags, the fraction of all nodes where each holds: one shared value per flag.
 

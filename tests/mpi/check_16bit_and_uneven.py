@@ -8,7 +8,7 @@ per rank; a rank with a mismatch exits non-zero.
 * Uneven blocks (rank 0 holds 2 nodes, rank 1 holds 3): the all-reduce mean weights every
   node once, so ``mean``, periodic_average, allreduce_sgd, diloco and easgd give every node
   the mean of all 5 nodes.
-* Partial participation: diloco and noloco with nodes down at inner and outer steps (the
+* Partial participation: diloco, diloco with random_k and noloco with nodes down at inner and outer steps (the
   ``up`` mask, each rank passing its block's) equal the simulation in float32, on 4 nodes
   (2 a rank) and, for diloco, on the uneven blocks.
 """
@@ -107,6 +107,9 @@ def main() -> int:
       "diloco": lambda be: gj.diloco(optax.adam(0.05), inner_steps=2, backend=be),
       "noloco": lambda be: gj.noloco(optax.adam(0.05), T.random_pairs(n, seed=1, period=4), inner_steps=2,
                                      backend=be),
+      # An all-gather of the compact messages and of the keys that random_k's receivers redraw indices from.
+      "diloco_random_k": lambda be: gj.diloco(optax.adam(0.05), inner_steps=2, compressor=gj.compress.random_k(0.5),
+                                              backend=be),
   }
   blocks = [(n, mine)] + ([(5, slice(0, 2) if be.rank == 0 else slice(2, 5))] if be.size == 2 else [])
   for total, block in blocks:
@@ -115,8 +118,8 @@ def main() -> int:
     x5, a5, b5 = (np.asarray(v, np.float32) for v in cases.problem(total))
     x5 = np.tile(x5[:1], (total, 1))
     for name, make in outer.items():
-      if total != n and name == "noloco":
-        continue  # a pairing needs an even count of nodes, in equal blocks
+      if total != n and name != "diloco":
+        continue  # a pairing, and an all-gather, need equal blocks
       try:
         want = run_up(make(None), jnp.asarray(x5), a5, b5, ups)[:, block]
         got = run_up(make(be), jnp.asarray(x5[block]), a5[block], b5[block], ups[:, block])

@@ -179,7 +179,8 @@ def test_outer_methods_log_at_round_ends_with_their_own_rate_and_a_last_row_at_s
   run = json.loads((tmp_path / "metrics.json").read_text())["runs"]["diloco"]
   assert [h["step"] for h in run["history"]] == [4, 6]  # a last row at --steps
   model = (64 * 64 + 64 + 64 * 10 + 10) * 4  # the MLP in float32; a ring all-reduce over 2 nodes sends it once
-  assert [h["bytes_sent"] for h in run["history"]] == [2 * model, 3 * model]  # one all-reduce per round
+  counts = 3 * 4  # under the guard, the participants' counts: three float32 a node, all-reduced with each round
+  assert [h["bytes_sent"] for h in run["history"]] == [2 * (model + counts), 3 * (model + counts)]  # per round
   assert all(h["consensus_distance"] < 1e-10 for h in run["history"])  # rows end rounds
   assert (run["config"]["learning_rate"], run["config"]["outer_momentum"]) == (3e-3, 0.9)
   args = cli.build_parser().parse_args(["train", "--algorithms", "noloco,dmsgd", "--inner-steps", "10"])
