@@ -78,6 +78,15 @@ def _reads_second(fn: Any, first: Any, second: Any) -> bool:
   return bool(wanted & used)
 
 
+def _gathered_nodes(backend: Backend, local: int, name: str) -> int:
+  """How many nodes an all-gather over ``backend`` returns from blocks of ``local``."""
+  count = getattr(backend, "gathered_nodes", None)
+  if count is None:
+    raise ValueError(f"{name}: backend {backend!r} has no gathered_nodes (nor, likely, the gather and "
+                     "all_to_all that a compressed mean needs)")
+  return int(count(local))
+
+
 def _gathered_mean(c: Compressor, backend: Backend, name: str, compact: Any, keys: jax.Array, like: Any, first: int,
                    reads_key: bool) -> Any:
   """The mean over all nodes of the decoded ``compact`` messages: an all-gather, then every node decodes all n.
@@ -441,7 +450,8 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
   def init_fn(params):
     anchor = copy_of(params, state_dtype)
     shape = node_shape(params)
-    local = shape[0] if shape else (mapping().num_nodes if mapping() is not None else 1)
+    current = mapping()
+    local = shape[0] if shape else (current.num_nodes if current is not None else 1)
     index = node_index(first_node(local), shape[0] if shape else 1)
     state = OuterState(
         count=jnp.zeros([], jnp.int32),
@@ -475,11 +485,12 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
     first = 0 if mapping() is not None else 1  # one node's shape: without the stacked node axis
     like = tuple((tuple(x.shape[first:]), jnp.dtype(x.dtype)) for x in jax.tree.leaves(sent))
     one_node = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*sd) for sd in like])
-    scatter = mixer is None and mean_form == "reduce_scatter"
-    if scatter:
-      total = backend.gathered_nodes(mapping().num_nodes if mapping() is not None else jax.tree.leaves(sent)[0].shape[0])
-      chunks = _Chunks(one_node, total)
-      compact, chunk_keys, q = node_map(lambda x, k: chunks.encode(c, x, k))(sent, keys)
+    current = mapping()
+    chunks = chunk_keys = None
+    if mixer is None and mean_form == "reduce_scatter":
+      local = current.num_nodes if current is not None else jax.tree.leaves(sent)[0].shape[0]
+      chunks = _Chunks(one_node, _gathered_nodes(backend, local, name))
+      compact, chunk_keys, q = node_map(lambda x, k, chunks=chunks: chunks.encode(c, x, k))(sent, keys)
     else:
       compact = node_map(c.encode)(sent, keys)
       q = node_map(lambda parts, k: c.decode(parts, k, one_node))(compact, keys)
@@ -490,7 +501,7 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
         new_residual = select_nodes(takes_part.mask, new_residual, residual)
     residual = new_residual
     if mixer is None:
-      if scatter:
+      if chunks is not None and chunk_keys is not None:
         # Node j receives every node's piece j (an all-to-all), averages the decoded pieces and
         # compresses the mean again; the compressed means are then all-gathered.
         like_piece = chunks.piece
@@ -498,12 +509,13 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
                                                         compact), jax.ShapeDtypeStruct((2,), jnp.uint32), like_piece)
         received = node_all_to_all(backend, (compact, chunk_keys) if reads_key else compact, name)
         their, their_keys = received if reads_key else (received, chunk_keys)
-        reduced, reduced_keys = node_map(lambda r, rk, k: chunks.reduce(c, r, rk, k))(their, their_keys, keys)
+        reduced, reduced_keys = node_map(lambda r, rk, k, chunks=chunks: chunks.reduce(c, r, rk, k))(their, their_keys,
+                                                                                                   keys)
         if reads_key:
           pieces, piece_keys = node_gather(backend, (reduced, reduced_keys), name)
         else:
           pieces = node_gather(backend, reduced, name)
-          piece_keys = jnp.zeros((total, 2), jnp.uint32)
+          piece_keys = jnp.zeros((chunks.n, 2), jnp.uint32)
         mean = chunks.join(jax.vmap(lambda p, k: c.decode(p, k, like_piece))(pieces, piece_keys))
       else:
         # An all-gather of the compact messages: every node decodes all n and averages, the
