@@ -8,7 +8,7 @@ per rank; a rank with a mismatch exits non-zero.
 * Uneven blocks (rank 0 holds 2 nodes, rank 1 holds 3): the all-reduce mean weights every
   node once, so ``mean``, periodic_average, allreduce_sgd, diloco and easgd give every node
   the mean of all 5 nodes.
-* Partial participation: diloco, diloco with random_k and noloco with nodes down at inner and outer steps (the
+* Partial participation: diloco, noloco and their compressed forms (random_k, qsgd) with nodes down at inner and outer steps (the
   ``up`` mask, each rank passing its block's) equal the simulation in float32, on 4 nodes
   (2 a rank) and, for diloco, on the uneven blocks.
 """
@@ -110,6 +110,8 @@ def main() -> int:
       # An all-gather of the compact messages and of the keys that random_k's receivers redraw indices from.
       "diloco_random_k": lambda be: gj.diloco(optax.adam(0.05), inner_steps=2, compressor=gj.compress.random_k(0.5),
                                               backend=be),
+      "noloco_qsgd": lambda be: gj.noloco(optax.adam(0.05), T.random_pairs(n, seed=1, period=4), inner_steps=2,
+                                          compressor=gj.compress.qsgd(7), backend=be),
   }
   blocks = [(n, mine)] + ([(5, slice(0, 2) if be.rank == 0 else slice(2, 5))] if be.size == 2 else [])
   for total, block in blocks:
