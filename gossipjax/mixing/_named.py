@@ -152,27 +152,46 @@ class NodeMixer:
     return gossip(tree, jnp.asarray(step), parts, context, _witness())
 
 
-def node_average(backend: Any, tree: Any, name: str) -> Any:
-  """Every node gets the mean over all nodes: ``backend.mean`` on stacked trees, a collective inside a mapping."""
+def _collective(backend: Any, stacked_fn: Callable[[Any], Any], tree: Any, name: str,
+                per_node: bool = True, one_node: Callable[[Any], Any] = lambda tree: tree) -> Any:
+  """``stacked_fn`` of the node-stacked ``tree``: called directly on stacked trees, inside a mapping a collective.
+
+  Inside a mapping, a ``custom_vmap`` whose batching rule stacks the nodes' values and calls
+  ``stacked_fn`` on them; its result is per node (``per_node``) or one value every node holds
+  (not batched). ``one_node`` gives the shapes of one node's result, for tracing.
+  """
   current = mapping()
   if current is None:
-    return backend.mean(tree)
+    return stacked_fn(tree)
   check_same_backend(current, backend, name)
 
   @custom_vmap
-  def average(tree, witness):
+  def collective(tree, witness):
     del witness
-    return tree
+    return one_node(tree)
 
-  @average.def_vmap
+  @collective.def_vmap
   def rule(axis_size, in_batched, tree, witness):
     del witness
     tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, in_batched[0])
     with mapped(None):
-      out = backend.mean(tree)
-    return out, jax.tree.map(lambda _: True, out)
+      out = stacked_fn(tree)
+    return out, jax.tree.map(lambda _: per_node, out)
 
-  return average(tree, _witness())
+  return collective(tree, _witness())
+
+
+def _method(backend: Any, method: str, name: str, what: str) -> Callable[[Any], Any]:
+  fn = getattr(backend, method, None)
+  if fn is None:
+    raise ValueError(f"{name}: backend {backend!r} has no {method} ({what}), which the mean of compressed messages "
+                     "needs")
+  return fn
+
+
+def node_average(backend: Any, tree: Any, name: str) -> Any:
+  """Every node gets the mean over all nodes: ``backend.mean`` on stacked trees, a collective inside a mapping."""
+  return _collective(backend, backend.mean, tree, name)
 
 
 def node_gather(backend: Any, tree: Any, name: str) -> Any:
@@ -181,30 +200,11 @@ def node_gather(backend: Any, tree: Any, name: str) -> Any:
   ``backend.gather`` on stacked trees, a collective inside a mapping (whose result is not
   batched: every node holds the same gathered tree).
   """
-  gather = getattr(backend, "gather", None)
-  if gather is None:
-    raise ValueError(f"{name}: backend {backend!r} has no gather (an all-gather of every node's values), which "
-                     "the mean of compressed messages needs")
+  gather = _method(backend, "gather", name, "an all-gather of every node's values")
   current = mapping()
-  if current is None:
-    return gather(tree)
-  check_same_backend(current, backend, name)
-
-  @custom_vmap
-  def gathered(tree, witness):
-    del witness
-    total = backend.gathered_nodes(current.num_nodes)
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (total,) + jnp.shape(x)), tree)
-
-  @gathered.def_vmap
-  def rule(axis_size, in_batched, tree, witness):
-    del witness
-    tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, in_batched[0])
-    with mapped(None):
-      out = gather(tree)
-    return out, jax.tree.map(lambda _: False, out)
-
-  return gathered(tree, _witness())
+  total = _method(backend, "gathered_nodes", name, "the size of a gather")(current.num_nodes) if current else 0
+  return _collective(backend, gather, tree, name, per_node=False,
+                     one_node=lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (total,) + jnp.shape(x)), tree))
 
 
 def node_all_to_all(backend: Any, tree: Any, name: str) -> Any:
@@ -212,29 +212,8 @@ def node_all_to_all(backend: Any, tree: Any, name: str) -> Any:
 
   ``backend.all_to_all`` on stacked trees (leaves ``(b, n, ...)``), a collective inside a mapping.
   """
-  exchange = getattr(backend, "all_to_all", None)
-  if exchange is None:
-    raise ValueError(f"{name}: backend {backend!r} has no all_to_all, which the reduce-scatter of compressed "
-                     "messages needs")
-  current = mapping()
-  if current is None:
-    return exchange(tree)
-  check_same_backend(current, backend, name)
-
-  @custom_vmap
-  def swapped(tree, witness):
-    del witness
-    return tree
-
-  @swapped.def_vmap
-  def rule(axis_size, in_batched, tree, witness):
-    del witness
-    tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, in_batched[0])
-    with mapped(None):
-      out = exchange(tree)
-    return out, jax.tree.map(lambda _: True, out)
-
-  return swapped(tree, _witness())
+  return _collective(backend, _method(backend, "all_to_all", name, "an exchange of a piece with every node"), tree,
+                     name)
 
 
 def node_fractions(backend: Any, flags: Any, name: str, dtype: Any = jnp.float32) -> jax.Array:
@@ -246,25 +225,8 @@ def node_fractions(backend: Any, flags: Any, name: str, dtype: Any = jnp.float32
   a branch.
   """
   values = jnp.stack([jnp.asarray(f).astype(dtype) for f in flags], axis=-1)
-  current = mapping()
-  if current is None:
-    return jnp.max(backend.mean(values), axis=0)  # every node's row is the mean (a max, not [0]: rows may be sharded)
-  check_same_backend(current, backend, name)
-
-  @custom_vmap
-  def fractions(values, witness):
-    del witness
-    return values
-
-  @fractions.def_vmap
-  def rule(axis_size, in_batched, values, witness):
-    del witness
-    values = _stacked(values, in_batched[0], axis_size)
-    with mapped(None):
-      out = jnp.max(backend.mean(values), axis=0)
-    return out, False
-
-  return fractions(values, _witness())
+  # Every node's row is the mean (a max over them, not [0]: the rows may be sharded).
+  return _collective(backend, lambda v: jnp.max(backend.mean(v), axis=0), values, name, per_node=False)
 
 
 def node_index(first_node: jax.Array | int, num_nodes: int) -> jax.Array:
