@@ -1,7 +1,9 @@
-"""DiLoCo and NoLoCo under ``mpiexec -n 2``: each rank's block of nodes equals a simulate run it computes itself.
+"""DiLoCo, NoLoCo and Streaming DiLoCo under ``mpiexec -n 2``: each rank's block of nodes equals a simulate run
+it computes itself.
 
 Launched by ``tests/algorithms/test_outer.py``; rank 0 prints one ``OK`` line per rank, and
-a rank with a mismatch, or with an MPI call outside the outer step, exits non-zero.
+a rank with a mismatch, or with an MPI call outside the outer step (for Streaming DiLoCo: outside
+a fragment's sync, one cond per fragment), exits non-zero.
 """
 
 import sys
@@ -9,6 +11,7 @@ import sys
 
 def main() -> int:
   import jax
+  import jax.numpy as jnp
   import numpy as np
   import optax
 
@@ -19,13 +22,27 @@ def main() -> int:
   import gossipjax as gj
   from gossipjax import topology as T
 
+  def by_column(tx):
+    """``tx`` over the columns of the (nodes, D) params as D leaves: Streaming DiLoCo fragments leaves."""
+    split = lambda x: [x[:, j:j + 1] for j in range(x.shape[1])]
+
+    def update(u, state, params=None, **extra):
+      u, state = tx.update(split(u), state, split(params), **extra)
+      return jnp.concatenate(u, axis=1), state
+
+    return optax.GradientTransformationExtraArgs(lambda x: tx.init(split(x)), update)
+
   be = gj.backend.mpi()
   n, steps = 2 * be.size, 7
   methods = {
       "diloco": lambda be: gj.diloco(optax.adam(0.05), inner_steps=3, backend=be),
       "noloco": lambda be: gj.noloco(optax.adam(0.05), T.random_pairs(n, seed=1, period=4), inner_steps=3,
                                      backend=be),
+      # Fragments [x0, x1] and [x2] sync at steps 1 and 3 of every 4, each applied a step later.
+      "streaming_diloco": lambda be: by_column(gj.streaming_diloco(optax.adam(0.05), num_fragments=2, inner_steps=4,
+                                                                   overlap=1, mixing=0.3, backend=be)),
   }
+  fragments = {"streaming_diloco": 2}
   x0, a, b = cases.problem(n)
   mine = be.node_slice(n)
   errors, worst = [], 0.0
@@ -35,13 +52,16 @@ def main() -> int:
     worst = max(worst, float(np.max(np.abs(got - want))))
     if not np.allclose(got, want, rtol=0, atol=1e-12):
       errors.append(f"{name}: max |mpi - simulate| = {np.max(np.abs(got - want)):.3g}")
-    # The MPI calls sit in the outer step's branch: the inner branch is the identity.
+    # The MPI calls sit in the outer step's branch (the inner branch is the identity); Streaming
+    # DiLoCo's in each fragment's sync, a cond of its own, each with the same calls (one all-reduce).
     tx = make(be)
     x = x0[mine]
     jaxpr = jax.make_jaxpr(lambda g, s, x: tx.update(g, s, x))(x, tx.init(x), x)
-    in_cond = sum(str(e).count("_mpi[") for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond")
-    if not 0 < in_cond == str(jaxpr).count("_mpi["):
-      errors.append(f"{name}: {str(jaxpr).count('_mpi[')} MPI calls, {in_cond} of them in the outer step's cond")
+    per_cond = [c for c in (str(e).count("_mpi[") for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond") if c]
+    total = str(jaxpr).count("_mpi[")
+    if not (0 < sum(per_cond) == total and len(per_cond) == fragments.get(name, 1) and len(set(per_cond)) == 1):
+      errors.append(f"{name}: {total} MPI calls, {per_cond} of them in the conds with any, expected "
+                    f"{fragments.get(name, 1)} such conds")
 
   reports = be.comm.gather((be.rank, worst, errors), root=0)
   if be.rank == 0:
