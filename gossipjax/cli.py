@@ -65,13 +65,13 @@ DEFAULT_ROOT = os.path.join("runs", "train")
 
 RESUME_OPTIONS = ("algorithms", "topologies", "nodes", "lr", "beta", "seed", "batch_size", "partition", "alpha",
                   "model", "log_every", "backend", "compressor", "compress_fraction", "consensus_step", "average_every",
-                  "inner_steps", "outer_lr", "outer_momentum", "inner_lr")
+                  "inner_steps", "outer_lr", "outer_momentum", "inner_lr", "fragments", "overlap", "mixing")
 
 
 DEFAULT_TOPOLOGIES = ("ring", "exponential", "symmetric_exponential")
 
 # The methods that train locally for --inner-steps steps between outer steps.
-OUTER_ALGORITHMS = ("diloco", "noloco")
+OUTER_ALGORITHMS = ("diloco", "noloco", "streaming_diloco")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--steps", type=_integer(1, "a positive integer"), default=500, help="training steps per run")
   t.add_argument("--batch-size", type=_integer(1, "a positive integer"), default=16, help="per node")
   t.add_argument("--lr", type=_real("a finite number > 0", 0.0, low_open=True), default=0.1,
-                 help="learning rate of every method but diloco and noloco (their inner AdamW takes --inner-lr)")
+                 help="learning rate of every method but diloco, noloco and streaming_diloco (their inner AdamW "
+                      "takes --inner-lr)")
   t.add_argument("--beta", type=_real("a number in [0, 1)", 0.0, 1.0), default=0.9, help="momentum (dpsgd uses 0)")
   t.add_argument("--compressor", choices=list(COMPRESSORS), default="top_k", help="choco: the compressor")
   t.add_argument("--compress-fraction", type=_real("a number in (0, 1]", 0.0, 1.0, low_open=True, high_open=False),
@@ -115,21 +116,34 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--average-every", type=period, default=10,
                  help="dmsgd_pga: steps between global averages")
   t.add_argument("--inner-steps", type=period, default=10,
-                 help="diloco, noloco: local AdamW steps (learning rate --inner-lr, b1 --beta) per outer step")
+                 help="diloco, noloco, streaming_diloco: local AdamW steps (learning rate --inner-lr, b1 --beta) "
+                      "per outer step (streaming_diloco: between two syncs of one fragment)")
   t.add_argument("--inner-lr", type=_real("a finite number > 0", 0.0, low_open=True), default=3e-3,
-                 help="diloco, noloco: the learning rate of their inner AdamW (every other method steps at --lr)")
+                 help="diloco, noloco, streaming_diloco: the learning rate of their inner AdamW (every other method "
+                      "steps at --lr)")
   t.add_argument("--outer-lr", type=_real("a number in (0, 1000]", 0.0, 1e3, low_open=True, high_open=False),
-                 default=0.7, help="diloco, noloco: the outer learning rate")
+                 default=0.7, help="diloco, noloco, streaming_diloco: the outer learning rate")
   t.add_argument("--outer-momentum", type=_real("a number in [0, 1)", 0.0, 1.0), default=None,
-                 help="diloco, noloco: the outer momentum (default: 0.9, Nesterov, for diloco; 0.5 for noloco)")
+                 help="diloco, noloco, streaming_diloco: the outer momentum (default: 0.9, Nesterov, for diloco "
+                      "and streaming_diloco; 0.5 for noloco)")
+  t.add_argument("--fragments", type=_integer(1, "a positive integer"), default=4,
+                 help="streaming_diloco: F, the fragments of the params (consecutive layers' leaves) that "
+                      "synchronise in turn, one every --inner-steps / F steps; at most --inner-steps and the "
+                      "model's leaves (mlp: 4, cnn: 6)")
+  t.add_argument("--overlap", type=_integer(0, "a non-negative integer"), default=1,
+                 help="streaming_diloco: tau, the inner steps a fragment's all-reduce overlaps before its outer "
+                      "step is applied; below --inner-steps / --fragments")
+  t.add_argument("--mixing", type=_real("a number in [0, 1]", 0.0, 1.0, high_open=False), default=0.5,
+                 help="streaming_diloco: alpha, the weight of a node's own params when a fragment's outer result "
+                      "is merged in (0: take the result, as diloco does)")
   t.add_argument("--partition", choices=["iid", "dirichlet", "by_class"], default="dirichlet",
                  help="how the training set is split over the nodes")
   t.add_argument("--alpha", type=_real("a finite number > 0", 0.0, low_open=True), default=0.5,
                  help="Dirichlet label-skew concentration")
   t.add_argument("--log-every", type=_integer(1, "a positive integer"), default=None,
-                 help="steps per jitted chunk and metrics row, and a last row at --steps (default: 25; with diloco "
-                      "or noloco the multiple of --inner-steps nearest 25, so that every row falls at a round's end, "
-                      "after the outer step)")
+                 help="steps per jitted chunk and metrics row, and a last row at --steps (default: 25; with diloco, "
+                      "noloco or streaming_diloco the multiple of --inner-steps nearest 25, so that every row falls "
+                      "at a round's end, after the outer step)")
   t.add_argument("--seed", type=_integer(0, "an integer in [0, 2**63)", high=2**63 - 1), default=0,
                  help="seeds the init, the partition and the batches")
   t.add_argument("--max-bad-steps", type=_integer(0, "a non-negative integer"), default=10,
@@ -168,6 +182,13 @@ def _check_args(args: argparse.Namespace) -> None:
   if args.topologies is None:
     args.topologies = list(DEFAULT_TOPOLOGIES)
   outer = [a for a in args.algorithms if a in OUTER_ALGORITHMS]
+  if "streaming_diloco" in args.algorithms:
+    if args.fragments > args.inner_steps:
+      fail(f"argument --fragments: streaming_diloco syncs one of {args.fragments} fragments every --inner-steps / "
+           f"--fragments steps; give --inner-steps ({args.inner_steps}) at least --fragments")
+    if args.overlap >= args.inner_steps // args.fragments:
+      fail(f"argument --overlap: {args.overlap} must be below --inner-steps / --fragments = "
+           f"{args.inner_steps // args.fragments} (a fragment's outer step lands before the next fragment syncs)")
   if outer and args.inner_steps > args.steps:
     fail(f"argument --inner-steps: {args.inner_steps} is more than --steps {args.steps}, so {', '.join(outer)} would "
          "never end a round (they communicate once every --inner-steps steps); give --inner-steps at most --steps")
@@ -197,7 +218,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _default_log_every(inner_steps: int | None) -> int:
-  """25 steps per row; with diloco or noloco the multiple of --inner-steps nearest 25, so every row ends a round."""
+  """25 steps per row; with an outer method the multiple of --inner-steps nearest 25, so every row ends a round."""
   if inner_steps is None:
     return 25
   return inner_steps * max(1, round(25 / inner_steps))
@@ -324,6 +345,7 @@ def train(args: argparse.Namespace) -> dict:
   if args.nodes > len(dataset.y_train):
     parser.error(f"argument --nodes: {args.nodes} nodes, but the digits' training set has "
                  f"{len(dataset.y_train)} samples; every node needs one (use at most {len(dataset.y_train)})")
+  _check_fragments(args, dataset)
   fresh = args.out is None
   if fresh:
     args.out = _on_main(placement, comm, lambda: fresh_folder(DEFAULT_ROOT))
@@ -373,7 +395,8 @@ def _build_runs(args: argparse.Namespace, backend):
                             outer_momentum=_outer_momentum(args, alg) if outer else None))
   txs, skipped = [], {}
   options = AlgorithmOptions(args.compressor, args.compress_fraction, args.consensus_step, args.average_every,
-                             args.inner_steps, args.outer_lr, args.outer_momentum)
+                             args.inner_steps, args.outer_lr, args.outer_momentum, args.fragments, args.overlap,
+                             args.mixing)
   for c in list(runs):
     try:
       topo = make_topology(c.topology, c.num_nodes) if c.topology else None
@@ -407,10 +430,31 @@ def noloco_pairs(num_nodes: int, steps: int, inner_steps: int):
 
 
 def _outer_momentum(args: argparse.Namespace, alg: str) -> float:
-  """The outer momentum diloco or noloco runs with: --outer-momentum, else 0.9 (diloco) or 0.5 (noloco)."""
+  """The outer momentum an outer method runs with: --outer-momentum, else 0.5 (noloco) or 0.9 (the others)."""
   if args.outer_momentum is not None:
     return args.outer_momentum
-  return 0.9 if alg == "diloco" else 0.5
+  return 0.5 if alg == "noloco" else 0.9
+
+
+def _make_model(args: argparse.Namespace, dataset):
+  from gossipjax.train import CNN, MLP
+
+  if args.model == "cnn":
+    return CNN(num_classes=dataset.num_classes, image_shape=(8, 8, 1))
+  return MLP(hidden=(64,), num_classes=dataset.num_classes)
+
+
+def _check_fragments(args: argparse.Namespace, dataset) -> None:
+  """Streaming DiLoCo splits the model by leaves: --fragments may not exceed them."""
+  import jax
+
+  if "streaming_diloco" not in args.algorithms:
+    return
+  shapes = jax.eval_shape(_make_model(args, dataset).init, jax.random.key(0), dataset.x_test[:1])
+  leaves = len(jax.tree.leaves(shapes))
+  if args.fragments > leaves:
+    args.parser.error(f"argument --fragments: {args.fragments} fragments, but the {args.model}'s params have "
+                      f"{leaves} leaves (streaming_diloco splits them by leaves); give at most {leaves}")
 
 
 def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> dict:
@@ -418,13 +462,10 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
   from tqdm.auto import tqdm
 
   from gossipjax.checkpoint import rank_directory
-  from gossipjax.train import CNN, MLP, init_state, plot, result_table, timed_run, write_metrics
+  from gossipjax.train import init_state, plot, result_table, timed_run, write_metrics
   from gossipjax.train._job import JobError, RunCheckpoints, UsageError, run_folder
 
-  if args.model == "cnn":
-    model = CNN(num_classes=dataset.num_classes, image_shape=(8, 8, 1))
-  else:
-    model = MLP(hidden=(64,), num_classes=dataset.num_classes)
+  model = _make_model(args, dataset)
   results = {}
   quiet = args.no_progress or not placement.is_main
   with tqdm(total=sum(c.steps for c in runs), unit="step", disable=quiet, file=sys.stderr) as bar:

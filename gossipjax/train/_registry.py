@@ -59,7 +59,11 @@ class AlgorithmOptions:
     inner_steps: DiLoCo and NoLoCo: local steps per round, H.
     outer_learning_rate: DiLoCo and NoLoCo: the outer learning rate.
     outer_momentum: DiLoCo and NoLoCo: the outer momentum; ``None`` takes each method's
-      default (0.9, Nesterov, for DiLoCo; 0.5 for NoLoCo).
+      default (0.9, Nesterov, for DiLoCo and Streaming DiLoCo; 0.5 for NoLoCo).
+    num_fragments: Streaming DiLoCo: F, the fragments that synchronise in turn.
+    overlap: Streaming DiLoCo: tau, the inner steps a fragment's communication overlaps.
+    mixing: Streaming DiLoCo: alpha, the weight of the local params when a fragment's result
+      is merged in.
   """
 
   compressor: str = "top_k"
@@ -69,6 +73,9 @@ class AlgorithmOptions:
   inner_steps: int = 10
   outer_learning_rate: float = 0.7
   outer_momentum: float | None = None
+  num_fragments: int = 4
+  overlap: int = 1
+  mixing: float = 0.5
 
 
 def _outer_momentum(o: AlgorithmOptions, default: float) -> dict:
@@ -77,8 +84,8 @@ def _outer_momentum(o: AlgorithmOptions, default: float) -> dict:
 
 
 #: The algorithms by the names the command line and configs use: ``name -> (topology or None,
-#: learning rate, beta, backend, options) -> optax transform``; ``allreduce``, ``easgd`` and
-#: ``diloco`` take no topology. Build one with `make_algorithm`.
+#: learning rate, beta, backend, options) -> optax transform``; ``allreduce``, ``easgd``,
+#: ``diloco`` and ``streaming_diloco`` take no topology. Build one with `make_algorithm`.
 ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "allreduce": lambda topo, lr, beta, be, o: gj.allreduce_sgd(beta, learning_rate=lr, backend=be),
     "dpsgd": lambda topo, lr, beta, be, o: gj.gossip_sgd(topo, beta=0.0, learning_rate=lr, backend=be),
@@ -103,13 +110,16 @@ ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
         optax.adamw(lr, b1=beta), inner_steps=o.inner_steps, backend=be, **_outer_momentum(o, 0.9)),
     "noloco": lambda topo, lr, beta, be, o: gj.noloco(
         optax.adamw(lr, b1=beta), topo, inner_steps=o.inner_steps, backend=be, **_outer_momentum(o, 0.5)),
+    "streaming_diloco": lambda topo, lr, beta, be, o: gj.streaming_diloco(
+        optax.adamw(lr, b1=beta), num_fragments=o.num_fragments, inner_steps=o.inner_steps, overlap=o.overlap,
+        mixing=o.mixing, backend=be, **_outer_momentum(o, 0.9)),
 }
 
 # The momentum each algorithm runs with, for legends: the --beta flag, none, or a fixed value.
 MOMENTUM = {"dpsgd": 0.0, "gradient_tracking": None, "exact_diffusion": None, "extra": None, "choco": None,
             "easgd": None}
 
-NEEDS_NO_TOPOLOGY = frozenset({"allreduce", "easgd", "diloco"})
+NEEDS_NO_TOPOLOGY = frozenset({"allreduce", "easgd", "diloco", "streaming_diloco"})
 
 #: Algorithms that run on a topology of their own unless --topologies names some: NoLoCo pairs
 #: the nodes at random in every round.
@@ -148,13 +158,13 @@ def make_algorithm(name: str, topo: T.Topology | None, lr: optax.ScalarOrSchedul
   Args:
     name: ``"dmsgd"``, ``"dpsgd"``, ``"allreduce"``, ``"choco"``, ... (the keys of
       `ALGORITHMS`).
-    topo: the topology (``None`` for ``allreduce``, ``easgd`` and ``diloco``).
+    topo: the topology (``None`` for ``allreduce``, ``easgd``, ``diloco`` and ``streaming_diloco``).
     lr: the learning rate, a float or an optax schedule.
     beta: the momentum, for the algorithms that take one (D-PSGD ignores it).
     backend: where the nodes live (default: simulate).
     options: what some algorithms take beyond the learning rate and momentum (CHOCO's
       compressor and consensus step, the period of periodic global averaging, DiLoCo's and
-      NoLoCo's inner steps and outer optimizer).
+      NoLoCo's inner steps and outer optimizer, Streaming DiLoCo's fragments).
 
   Returns:
     An ``optax.GradientTransformation`` over stacked (node-axis) params.

@@ -57,6 +57,13 @@ BAD_OPTIONS = [
     (["--outer-lr", "1e300"], "argument --outer-lr: 1e+300 is out of range; it must be a number in (0, 1000]"),
     (["--algorithms", "dmsgd,noloco", "--inner-steps", "100", "--steps", "20", "--log-every", "10"],
      "argument --inner-steps: 100 is more than --steps 20, so noloco would never end a round"),
+    (["--algorithms", "streaming_diloco", "--inner-steps", "3"], "argument --fragments: streaming_diloco syncs one of "
+     "4 fragments every --inner-steps / --fragments steps; give --inner-steps (3) at least --fragments"),
+    (["--algorithms", "streaming_diloco", "--inner-steps", "8", "--overlap", "2"], "argument --overlap: 2 must be "
+     "below --inner-steps / --fragments = 2"),
+    (["--algorithms", "streaming_diloco", "--inner-steps", "10", "--fragments", "5"], "argument --fragments: 5 "
+     "fragments, but the mlp's params have 4 leaves"),
+    (["--mixing", "1.5"], "argument --mixing: 1.5 is out of range; it must be a number in [0, 1]"),
 ]
 
 
@@ -191,3 +198,20 @@ def test_outer_methods_log_at_round_ends_with_their_own_rate_and_a_last_row_at_s
                                                                             ("dmsgd/ring", 0.1, None)]
   cli._check_args(cli.build_parser().parse_args(["train", "--algorithms", "diloco", "--log-every", "25"]))
   assert "--log-every 25 is not a multiple of --inner-steps 10" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_streaming_diloco_sends_one_fragment_at_a_time_and_a_model_a_round(tmp_path):
+  cli.main(["train", "--steps", "8", "--nodes", "2", "--no-progress", "--out", str(tmp_path), "--algorithms",
+            "streaming_diloco", "--inner-steps", "4", "--fragments", "2", "--overlap", "1", "--mixing", "0.5",
+            "--log-every", "2", "--batch-size", "4"])
+  runs = json.loads((tmp_path / "metrics.json").read_text())["runs"]
+  sent = {name: [h["bytes_sent"] for h in run["history"]] for name, run in runs.items()}
+  # The MLP's leaves, in order: hidden bias and kernel (fragment 0), head bias and kernel (fragment 1); float32,
+  # and a ring all-reduce over 2 nodes sends each once. Fragment 0 syncs at step 1 of every 4, fragment 1 at step 3:
+  # a round sends the model once, as DiLoCo's does, a fragment at a time.
+  first, second = (64 + 64 * 64) * 4, (10 + 64 * 10) * 4
+  assert sent["streaming_diloco"] == [first, first + second, 2 * first + second, 2 * (first + second)]
+  config = runs["streaming_diloco"]["config"]
+  assert (config["learning_rate"], config["outer_momentum"]) == (3e-3, 0.9)
+  assert runs["streaming_diloco"]["history"][-1]["consensus_distance"] > 1e-6  # alpha = 0.5 keeps local params
