@@ -76,3 +76,14 @@ def test_sharded_equals_the_simulation():
   got, want = run(make(backend=backend), x)[-1], run(make())[-1]
   for k in SIZES:
     np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-12)
+
+
+def test_one_fragment_without_overlap_or_mixing_is_diloco():
+  x = {k: jnp.zeros((N, d)) for k, d in SIZES.items()}
+  got = run(gj.streaming_diloco(optax.adam(LR), num_fragments=1, inner_steps=H, outer_learning_rate=ETA,
+                                outer_momentum=MU))
+  want = run(gj.diloco(optax.adam(LR), inner_steps=H, outer_learning_rate=ETA, outer_momentum=MU), x)
+  assert np.max(np.abs(got[-1]["a"] - got[0]["a"])) > 0.1  # it moves
+  for g, w in zip(got, want):
+    for k in SIZES:
+      np.testing.assert_allclose(g[k], w[k], rtol=0, atol=1e-12)
