@@ -185,20 +185,19 @@ def test_sharded_diloco_sends_the_compact_messages_it_reports_and_equals_the_sim
   """One node a device: the compiled outer step moves the compact messages (bytes read from the HLO)."""
   be = gj.backend.sharded(jax.make_mesh((N,), ("nodes",), devices=jax.devices()[:N]))
   x = jnp.zeros((N, D), jnp.float32)
-  cases = [(gj.compress.top_k(0.1), "all_gather"), (gj.compress.top_k(0.1), "reduce_scatter"),
-           (gj.compress.qsgd(7), "reduce_scatter"), (gj.compress.random_k(0.2), "reduce_scatter")]
+  cases = [(gj.compress.top_k(0.1), "all_gather"), (gj.compress.qsgd(7), "reduce_scatter"),
+           (gj.compress.random_k(0.2), "reduce_scatter")]
   for c, form in cases:
     tx = gj.diloco(optax.sgd(LR), inner_steps=H, compressor=c, backend=be, compressed_mean=form)
     ops, received = received_bytes(jax.jit(tx.update).lower(be.shard(x), tx.init(be.shard(x)), be.shard(x))
                                    .compile().as_text(), N)
     assert ops == ({"all-gather"} if form == "all_gather" else {"all-gather", "all-to-all"}), ops  # no dense sum
     assert received == gj.bytes_per_step(tx, x, steps=H)[-1] < (N - 1) * D * 4, (c, form)
-  # random_k's receivers redraw its indices from the senders' keys, at one and at two nodes a device.
+  # random_k's receivers redraw its indices from the senders' keys; two nodes a device exchange blocks of pieces.
   make = lambda backend: gj.diloco(optax.sgd(LR), inner_steps=H, compressor=gj.compress.random_k(0.2),
                                    backend=backend, key=3)
   start = x0() + np.random.default_rng(2).normal(size=(N, D))
   want, _ = run(make(None), start)
-  for devices in (N, N // 2):
-    be = gj.backend.sharded(jax.make_mesh((devices,), ("nodes",), devices=jax.devices()[:devices]))
-    got, _ = run(make(be), be.shard(jnp.asarray(start)))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+  be = gj.backend.sharded(jax.make_mesh((N // 2,), ("nodes",), devices=jax.devices()[:N // 2]))
+  got, _ = run(make(be), be.shard(jnp.asarray(start)))
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
