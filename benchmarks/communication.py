@@ -13,6 +13,10 @@ sizes, writes only where ``--json`` says). The parts, on 8 XLA CPU devices
 - ``compression``: ``gj.choco_sgd`` on ring(16) with each compressor on a ResNet-20's params: the bytes a
   device receives per exchange and node, from the compiled program, next to ``compressor.bits`` and the
   dense size;
+- ``outer``: ``gj.diloco``'s compressed outer exchange on ResNet-20 params, 8 nodes on the 8 devices, each
+  compressor in its two forms (``compressed_mean``, reduce-scatter and all-gather): the bytes the compiled
+  round's all-to-alls and all-gathers bring one device from the others, next to ``gj.bytes_per_step`` and
+  the dense all-reduce's count, over the model's bytes;
 - ``hierarchical``: ``gj.gossip_sgd`` on ``gj.backend.hierarchical(D)``, D = 2 and 4, ResNet-20 params on a
   ring of the 8 / D nodes under jit: collective-permutes, all-gathers, and the bytes the permutes move between
   devices of different nodes per neighbour, over the model's bytes (float32: XLA:CPU compiles a bfloat16
@@ -57,7 +61,7 @@ from benchmarks import _timing  # noqa: E402
 
 gj.backend.reserve_cpu_threads()  # before JAX's first computation: threads for collectives over 8 CPU devices
 
-PARTS = ("leaves", "compression", "hierarchical", "matchings", "period", "mpi", "gpu")
+PARTS = ("leaves", "compression", "outer", "hierarchical", "matchings", "period", "mpi", "gpu")
 DEVICES = 8
 NODES = 16
 PER_LEAF = 1  # bucket_bytes=1: every leaf is a bucket of its own, one message per leaf
@@ -258,6 +262,40 @@ def against_compression(quick: bool) -> dict:
           "rows": rows}
 
 
+def _gathered_bytes(compiled_text: str, devices: int) -> float:
+  """What the all-gathers and all-to-alls of a compiled program bring one device from the ``devices - 1`` others."""
+  total = 0.0
+  for result in re.findall(r"= (\(?[a-z0-9]+\[[^\n]*?) (?:all-gather|all-to-all)\(", compiled_text):
+    for dtype, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", result):
+      total += int(np.prod([int(d) for d in dims.split(",") if d])) * _ITEMSIZE[dtype] * (devices - 1) / devices
+  return total
+
+
+def outer_exchange(quick: bool) -> dict:
+  be = sharded_backend()
+  n = DEVICES
+  if quick:
+    model, params = "one 1,000-float leaf", {"w": jnp.zeros((n, 1_000), jnp.float32)}
+  else:
+    model, params = "ResNet-20", resnet20_tree(n)
+  one_node = jax.tree.map(lambda x: x[0], params)
+  dense = _timing.tree_bytes(one_node)
+  sharded = be.shard(params)
+  allreduce = float(gj.bytes_per_step(gj.diloco(optax.sgd(0.1), inner_steps=1), params)[0])
+  rows = []
+  for name, compressor in compressors().items():
+    for form in ("reduce_scatter", "all_gather"):
+      tx = gj.diloco(optax.sgd(0.1), inner_steps=1, compressor=compressor, compressed_mean=form, backend=be)
+      hlo = jax.jit(tx.update).lower(sharded, tx.init(sharded), sharded).compile().as_text()
+      sent = _gathered_bytes(hlo, n)
+      counted = float(gj.bytes_per_step(tx, params)[0])
+      rows.append({"compressor": name, "form": form, "hlo_bytes": sent, "counted_bytes": counted,
+                   "hlo_over_counted": sent / counted, "over_model": sent / dense,
+                   "over_dense_allreduce": sent / allreduce})
+  return {"devices": DEVICES, "nodes": n, "model": model, "dense_bytes": dense, "allreduce_bytes": allreduce,
+          "rows": rows}
+
+
 def mlp_tree(n: int) -> dict:
   """A 64-32-32-10 MLP per node (float32)."""
   sizes = [(64, 32), (32, 32), (32, 10)]
@@ -376,7 +414,8 @@ def run(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict:
   if len(cpus) < DEVICES:
     raise RuntimeError(f"benchmarks.communication needs {DEVICES} CPU devices; start Python with "
                        f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}")
-  measure = {"leaves": against_leaves, "compression": against_compression, "period": against_period,
+  measure = {"leaves": against_leaves, "compression": against_compression, "outer": outer_exchange,
+             "period": against_period,
              "hierarchical": hierarchical_round, "matchings": matching_exchanges, "mpi": mpi_round, "gpu": gpu_step}
   out = {}
   for part in parts:
@@ -419,6 +458,16 @@ def table(r: dict) -> list[str]:
     for row in p["rows"]:
       lines.append(f"  {row['compressor']:<16s} {row['permutes']:>8d} {row['bytes_per_exchange']:>11,.0f} "
                    f"{row['compact_bytes']:>18,.0f} {row['sent_over_compact']:>13.3f} {row['sent_over_dense']:>11.4f}")
+  if "outer" in r:
+    p = r["outer"]
+    lines += ["", f"diloco's compressed outer round, {p['nodes']} nodes on {p['devices']} CPU devices, {p['model']}: "
+              f"bytes one device receives (all-to-alls and all-gathers), the dense all-reduce counts "
+              f"{p['allreduce_bytes'] / p['dense_bytes']:.3f} models",
+              "  compressor       form             HLO bytes  counted  HLO/counted  /model  /dense all-reduce"]
+    for row in p["rows"]:
+      lines.append(f"  {row['compressor']:<16s} {row['form']:<15s} {row['hlo_bytes']:>10,.0f} "
+                   f"{row['counted_bytes']:>9,.0f} {row['hlo_over_counted']:>11.3f} {row['over_model']:>7.3f} "
+                   f"{row['over_dense_allreduce']:>17.3f}")
   if "hierarchical" in r:
     p = r["hierarchical"]
     lines += ["", f"gossip_sgd on gj.backend.hierarchical(D), {p['model']} ({p['leaves']} leaves), {p['devices']} CPU "

@@ -173,7 +173,7 @@ _ITEM_BYTES = {"u8": 1, "s8": 1, "u16": 2, "bf16": 2, "f16": 2, "f32": 4, "u32":
 def received_bytes(hlo, n):
   """Per device, what the all-gathers and all-to-alls of a compiled step bring from the others (n devices)."""
   found, total = [], 0.0
-  for result, op in re.findall(r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|all-reduce|collective-permute|all-to-all)\(",
+  for result, op in re.findall(r"= (\(?[a-z0-9]+\[[^\n]*?) (all-gather|all-reduce|collective-permute|all-to-all)\(",
                                hlo):
     found.append(op)
     for t, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", result):
