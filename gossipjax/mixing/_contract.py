@@ -56,7 +56,7 @@ def resolve_backend(backend: Backend | None) -> Backend:
 
 
 def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stochasticity = "doubly", *,
-               name: str | None = None) -> NodeMixer:
+               name: str | None = None, connected: bool = True) -> NodeMixer:
   """Validates the topology for what the algorithm needs and builds the backend's mixer.
 
   How an algorithm gets its gossip step: it calls ``make_mixer`` once, when the transform
@@ -69,6 +69,9 @@ def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stocha
       gossip averaging), ``"column"`` (push-sum, as `gj.sgp`), ``"row"`` or ``"none"``.
     name: the public name of the transform being built (``"gj.my_method"``); a refusal
       starts with it, as the library's own transforms' do.
+    connected: require the graph to be connected over its period. A method that splits its
+      graph into parts, each mixed alone (`gj.choco_sgd` on a time-varying graph mixes the
+      rounds of the union graph one at a time), passes ``False`` for the parts.
 
   Returns:
     The backend's `Mixer` for the validated topology, as a `NodeMixer`: on stacked trees its
@@ -87,7 +90,7 @@ def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stocha
     [1.3333, 1.0, 2.0, 1.6667]
   """
   try:
-    topo = as_topology(topology).check(stochastic=stochastic)
+    topo = as_topology(topology).check(stochastic=stochastic, connected=connected)
   except (TypeError, ValueError) as e:
     if name is None:
       raise
