@@ -239,11 +239,30 @@ def table(rows, seeds: int) -> str:
   return "\n".join(lines)
 
 
+def headline(rows, budgets: dict[int, float], config) -> str:
+  """One row per method: its bytes, and the nodes' test accuracy at equal bytes and after the run, per node count."""
+  get = lambda n, name, at: next(r for r in rows if (r["num_nodes"], r["method"], r["at"]) == (n, name, at))
+  ns = config.node_counts
+  head = (["method"] + [f"MB a node, {n} nodes" for n in ns] + [f"peak KB a step, {ns[0]} nodes"]
+          + [f"acc at {budgets[n] / 1e6:.3f} MB, {n} nodes" for n in ns]
+          + [f"acc after {config.steps} steps, {n} nodes" for n in ns])
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for name in config.methods:
+    cells = ([LABELS[name]] + [f"{get(n, name, 'end')['bytes_per_node'][0] / 1e6:.3f}" for n in ns]
+             + [f"{get(ns[0], name, 'end')['peak_bytes_per_step'] / 1e3:.2f}"]
+             + [at_seeds(get(n, name, "budget")["test_accuracy"], ".3f") for n in ns]
+             + [at_seeds(get(n, name, "end")["test_accuracy"], ".3f") for n in ns])
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def report(rows, budgets: dict[int, float], config) -> str:
-  """results.md: per node count, the equal-bytes table and the equal-steps table."""
+  """results.md: the headline table, then per node count the equal-bytes table and the equal-steps table."""
   seeds = len(config.seeds)
   parts = [f"Mean ± standard deviation over {seeds} seeds ({', '.join(map(str, config.seeds))}); bytes are the same "
-           "for every seed; consensus distance: the mean."]
+           "for every seed; consensus distance: the mean. Accuracy: the nodes' own models' mean test accuracy; at "
+           "equal bytes, each method when it has sent at most the cheapest method's bytes of the whole run.",
+           headline(rows, budgets, config)]
   for n in config.node_counts:
     mine = [r for r in rows if r["num_nodes"] == n]
     parts += [f"## {n} nodes",
