@@ -21,7 +21,7 @@ from gossipjax._validation import (FLOAT32_MAX, check_in_range, check_learning_r
 from gossipjax.algorithms._choco import _DecodeReceived, _raw_key
 from gossipjax.algorithms._common import check_state_dtype, copy_of
 from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
-from gossipjax.mixing._named import node_all_to_all, node_average, node_fractions, node_gather, node_index, node_shape, on_nodes, varies_over_nodes
+from gossipjax.mixing._named import gathered_nodes, node_all_to_all, node_average, node_fractions, node_gather, node_index, node_shape, on_nodes, varies_over_nodes
 from gossipjax._axis import mapping
 from gossipjax.compress import Compressor
 from gossipjax.compress._base import leaf_keys
@@ -76,15 +76,6 @@ def _reads_second(fn: Any, first: Any, second: Any) -> bool:
   used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var)}
   used |= {v for v in jaxpr.outvars if isinstance(v, Var)}
   return bool(wanted & used)
-
-
-def _gathered_nodes(backend: Backend, local: int, name: str) -> int:
-  """How many nodes an all-gather over ``backend`` returns from blocks of ``local``."""
-  count = getattr(backend, "gathered_nodes", None)
-  if count is None:
-    raise ValueError(f"{name}: backend {backend!r} has no gathered_nodes (nor, likely, the gather and "
-                     "all_to_all that a compressed mean needs)")
-  return int(count(local))
 
 
 def _gathered_mean(c: Compressor, backend: Backend, name: str, compact: Any, keys: jax.Array, like: Any, first: int,
@@ -331,8 +322,9 @@ def outer_optimizer(
     ``(n - 1)`` compact messages a node.
 
   A message carries its 8-byte key where decoding reads it (``random_k``'s indices).
-  ``gj.bytes_per_step`` counts these bytes, and on the sharded backend the compiled step's
-  all-to-alls and all-gathers move exactly them.
+  ``gj.bytes_per_step`` counts these bytes; on the sharded backend with one node per device
+  the compiled step's all-to-alls and all-gathers move exactly them (with several, the
+  pieces between nodes of one device stay on it).
 
   Args:
     inner: the local optimizer, e.g. ``optax.adamw(4e-4, weight_decay=0.1)``.
@@ -489,7 +481,7 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
     chunks = chunk_keys = None
     if mixer is None and mean_form == "reduce_scatter":
       local = current.num_nodes if current is not None else jax.tree.leaves(sent)[0].shape[0]
-      chunks = _Chunks(one_node, _gathered_nodes(backend, local, name))
+      chunks = _Chunks(one_node, gathered_nodes(backend, local, name))
       compact, chunk_keys, q = node_map(lambda x, k, chunks=chunks: chunks.encode(c, x, k))(sent, keys)
     else:
       compact = node_map(c.encode)(sent, keys)

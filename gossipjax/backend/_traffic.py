@@ -16,7 +16,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -85,44 +85,40 @@ def note_gossip(topology: Any, tree: Any, step: Any, wire: Any, first_node: Any)
   jax.debug.callback(tally, jnp.asarray(step), jnp.asarray(first_node))
 
 
-def note_gather(tree: Any, num_nodes: int) -> None:
-  """Counts one all-gather of the local block ``tree`` over ``num_nodes`` nodes: each node's part, to the ``n - 1`` others."""
+def _note(tree: Any, sent_by: Callable[[list[Any]], float], min_ndim: int = 1) -> None:
+  """Adds ``sent_by(leaves)`` bytes (of the local block's array leaves) to the count when the step runs."""
   traffic = _COUNT.get()
   if traffic is None:
     return
-  leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.ndim(x)]
-  if not leaves or num_nodes < 2:
-    return
-  local = jnp.shape(leaves[0])[0]
-  sent = local * (num_nodes - 1) * _bytes_per_node(leaves)
-  jax.debug.callback(lambda: traffic.add(sent))
+  leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.ndim(x) >= min_ndim]
+  sent = sent_by(leaves) if leaves else 0
+  if sent:
+    jax.debug.callback(lambda: traffic.add(sent))
+
+
+def note_gather(tree: Any, num_nodes: int) -> None:
+  """Counts one all-gather of the local block ``tree`` over ``num_nodes`` nodes: each node's part, to the ``n - 1`` others."""
+  _note(tree, lambda leaves: jnp.shape(leaves[0])[0] * (num_nodes - 1) * _bytes_per_node(leaves))
 
 
 def note_all_to_all(tree: Any) -> None:
   """Counts one all-to-all of the local block ``tree`` (leaves ``(b, n, ...)``): each node's n - 1 pieces for others."""
-  traffic = _COUNT.get()
-  if traffic is None:
-    return
-  leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.ndim(x) >= 2]
-  if not leaves:
-    return
-  local, n = jnp.shape(leaves[0])[:2]
-  sent = local * (n - 1) * sum(math.prod(jnp.shape(x)[2:]) * jnp.dtype(x.dtype).itemsize for x in leaves)
-  jax.debug.callback(lambda: traffic.add(sent))
+
+  def sent_by(leaves):
+    local, n = jnp.shape(leaves[0])[:2]
+    return local * (n - 1) * sum(math.prod(jnp.shape(x)[2:]) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+  _note(tree, sent_by, min_ndim=2)
 
 
 def note_mean(tree: Any, num_nodes: int) -> None:
   """Counts one all-reduce mean over ``num_nodes`` nodes of the local block ``tree``, as a ring sends it."""
-  traffic = _COUNT.get()
-  if traffic is None:
-    return
-  leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.ndim(x)]
-  if not leaves or num_nodes < 2:
-    return
-  local = jnp.shape(leaves[0])[0]
-  size = sum(math.prod(jnp.shape(x)[1:]) * np.dtype(accumulation_dtype(np.dtype(x.dtype))).itemsize for x in leaves)
-  sent = local * 2 * (num_nodes - 1) / num_nodes * size
-  jax.debug.callback(lambda: traffic.add(sent))
+
+  def sent_by(leaves):
+    size = sum(math.prod(jnp.shape(x)[1:]) * np.dtype(accumulation_dtype(np.dtype(x.dtype))).itemsize for x in leaves)
+    return jnp.shape(leaves[0])[0] * 2 * (num_nodes - 1) / num_nodes * size
+
+  _note(tree, sent_by)
 
 
 def bytes_per_step(tx: optax.GradientTransformation, params: Any, steps: int = 1,

@@ -189,6 +189,11 @@ def _method(backend: Any, method: str, name: str, what: str) -> Callable[[Any], 
   return fn
 
 
+def gathered_nodes(backend: Any, local: int, name: str) -> int:
+  """How many nodes an all-gather over ``backend`` returns from blocks of ``local`` nodes."""
+  return int(_method(backend, "gathered_nodes", name, "the size of a gather")(local))
+
+
 def node_average(backend: Any, tree: Any, name: str) -> Any:
   """Every node gets the mean over all nodes: ``backend.mean`` on stacked trees, a collective inside a mapping."""
   return _collective(backend, backend.mean, tree, name)
@@ -202,7 +207,7 @@ def node_gather(backend: Any, tree: Any, name: str) -> Any:
   """
   gather = _method(backend, "gather", name, "an all-gather of every node's values")
   current = mapping()
-  total = _method(backend, "gathered_nodes", name, "the size of a gather")(current.num_nodes) if current else 0
+  total = gathered_nodes(backend, current.num_nodes, name) if current else 0
   return _collective(backend, gather, tree, name, per_node=False,
                      one_node=lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (total,) + jnp.shape(x)), tree))
 
