@@ -304,6 +304,8 @@ def mlp_tree(n: int) -> dict:
 
 
 def against_period(quick: bool) -> dict:
+  from gossipjax.backend._blocks import compile_topology, step_table
+
   periods, per_device, reps = ((4, 16), (1, 4), 1) if quick else ((4, 16, 64, 256), (1, 4, 16), 3)
   sharded = sharded_backend()
   simulate = gj.backend.simulate()
@@ -320,8 +322,12 @@ def against_period(quick: bool) -> dict:
           del t["hlo"]
           times[name].append(t)
       best = {name: {k: min(t[k] for t in ts) for k in ts[0]} for name, ts in times.items()}
-      rows.append({"nodes": n, "nodes_per_device": b, "period": period,
-                   "branches": len(sharded.mixer(topo).table.patterns), **best,
+      table = sharded.mixer(topo).table
+      # Rows a device sends a step: as compiled, and with one exchange pattern per step.
+      per_step = step_table(compile_topology(topo, DEVICES)).rows_sent().mean()
+      rows.append({"nodes": n, "nodes_per_device": b, "period": period, "branches": table.branches,
+                   "fixed_exchanges": bool(table.slots), "rows_per_step": float(table.rows_sent().mean()),
+                   "rows_per_step_per_pattern": float(per_step), **best,
                    "compile_ratio": best["sharded"]["compile_s"] / best["simulate"]["compile_s"]})
   return {"devices": DEVICES, "model": "MLP 64-32-32-10 per node, float32", "best_of": reps,
           "best_of_at_period_256": 1, "rows": rows}
@@ -488,12 +494,13 @@ def table(r: dict) -> list[str]:
     p = r["period"]
     lines += ["", f"random_pairs(n, period=P) on {p['devices']} devices, gossip_sgd on {p['model']}: seconds",
               "  n   period  branches  simulate: trace+lower  compile   sharded: trace+lower  compile   "
-              "sharded/simulate compile"]
+              "sharded/simulate compile  rows a step: compiled / per-step patterns"]
     for row in p["rows"]:
       s, h = row["simulate"], row["sharded"]
       lines.append(f"  {row['nodes']:<4d}{row['period']:>6d} {row['branches']:>9d} {s['trace_s'] + s['lower_s']:22.3f} "
                    f"{s['compile_s']:8.3f} {h['trace_s'] + h['lower_s']:21.3f} {h['compile_s']:8.3f} "
-                   f"{row['compile_ratio']:25.2f}x")
+                   f"{row['compile_ratio']:25.2f}x  {row['rows_per_step']:8.2f} / {row['rows_per_step_per_pattern']:.2f}"
+                   + (" (fixed)" if row["fixed_exchanges"] else ""))
   if "mpi" in r:
     p = r["mpi"]
     lines.append("")

@@ -27,7 +27,12 @@ A time-varying topology whose step is traced compiles one ``lax.switch`` branch 
 distinct device-level **exchange pattern** (offsets, sending pairs and message rows), and
 each branch only moves rows; which rows are sent, which received row each node reads and
 with what weight are tables indexed by the step. Compile time then follows the number of
-distinct patterns, and every step sends only its own exchanges.
+distinct patterns, and every step sends only its own exchanges. Where the patterns are
+many (a long random period with several nodes per device), the period is compiled to a
+**fixed** set of exchanges instead (`fixed_slots`): each ordered pair of devices always
+travels in the same exchange, a branch per message length, so compile time follows the
+devices and the node block, not the period, and a step sends its rows in up to K - 1
+exchanges, each padded to its longest message (`step_table_or_none` says when).
 """
 
 from __future__ import annotations
@@ -222,11 +227,13 @@ def _greedy_colouring(offset: np.ndarray, device: np.ndarray, k: int) -> np.ndar
   return colour
 
 
-def compile_plan(plan: MixingPlan, num_devices: int) -> BlockPlan:
+def compile_plan(plan: MixingPlan, num_devices: int, slot_of: np.ndarray | None = None) -> BlockPlan:
   """Groups a plan's cross-device edges into exchanges, partial permutations of devices (module docstring).
 
   Array operations over all edges at once, O(edges log edges): at 65,536 nodes of an
   exponential graph on 2 devices this is about 0.1 s, where a loop over edges took seconds.
+  With ``slot_of`` (K, K), the rows device s sends device t travel in exchange
+  ``slot_of[s, t]`` (a fixed set of exchanges, `fixed_slots`), every one kept, even empty.
   """
   n, k = plan.num_nodes, num_devices
   b = n // k
@@ -244,9 +251,13 @@ def compile_plan(plan: MixingPlan, num_devices: int) -> BlockPlan:
   group_key = np.unique(sent_off * k + sent_dev)
   group = np.searchsorted(group_key, sent_off * k + sent_dev)  # the group each sent row travels in
   position = np.arange(len(sent)) - np.searchsorted(group, group)  # its slot in that group's send buffer
-  colour = _colour_pairs(group_key // k, group_key % k, k)
+  if slot_of is None:
+    colour = _colour_pairs(group_key // k, group_key % k, k)
+    num_ex = int(colour.max()) + 1 if len(colour) else 0
+  else:
+    colour = slot_of[group_key % k, (group_key // k + group_key % k) % k]
+    num_ex = int(slot_of.max()) + 1
   which = colour[group]  # the exchange each sent row travels in
-  num_ex = int(colour.max()) + 1 if len(colour) else 0
   exchanges = []
   for e in range(num_ex):
     mine = np.flatnonzero(colour == e)
@@ -290,6 +301,9 @@ class StepTable:
       buffers of M rows)`` each node reads (its own row where the round has no edge for it).
     weight: (period, R, K, B), the rounds' weights (0 where a step has fewer rounds).
     self_weight: (period, K, B).
+    slots: in the fixed form (`fixed_slots`), for each exchange slot, one exchange per
+      number of rows it carries in some step of the period; ``patterns`` is then empty.
+    slot_size: int (period, E), in the fixed form, which of its slot's exchanges each step uses.
   """
 
   patterns: tuple[BlockPlan, ...]
@@ -299,17 +313,39 @@ class StepTable:
   rows: np.ndarray
   weight: np.ndarray
   self_weight: np.ndarray
+  slots: tuple[tuple[Exchange, ...], ...] = ()
+  slot_size: np.ndarray | None = None
 
   @property
   def max_rows(self) -> int:
     return self.send_rows.shape[3]
 
+  def rows_sent(self) -> np.ndarray:
+    """Rows the busiest device sends in each step of the period, as the exchanges pad them, shape (period,)."""
+    if self.slots:
+      assert self.slot_size is not None
+      return np.array([sum(options[i].send_rows.shape[1] for options, i in zip(self.slots, sizes))
+                       for sizes in self.slot_size])
+    per_pattern = [sum(int(ex.count.max()) for ex in p.exchanges if ex.count.size) for p in self.patterns]
+    return np.asarray(per_pattern)[self.pattern_of]
 
-def step_table(plans: Sequence[BlockPlan]) -> StepTable:
-  """Stacks a period of compiled plans (without rank-one terms) into a `StepTable`."""
+  @property
+  def branches(self) -> int:
+    """The exchange branches the period compiles: one per pattern, or per slot and size in the fixed form."""
+    return len(self.patterns) + sum(len(options) for options in self.slots)
+
+
+def step_table(plans: Sequence[BlockPlan], slot_pairs: Sequence[Sequence[tuple[int, int]]] | None = None) -> StepTable:
+  """Stacks a period of compiled plans (without rank-one terms) into a `StepTable`.
+
+  With ``slot_pairs`` (the plans compiled to the fixed exchanges of `fixed_slots`), the
+  table holds, per slot, one exchange for each number of rows it sends in the period.
+  """
   k, b = plans[0].num_devices, plans[0].block
   keys, patterns, pattern_of = {}, [], []
   for p in plans:
+    if slot_pairs is not None:
+      break
     if p.pattern not in keys:
       keys[p.pattern] = len(patterns)
       patterns.append(p)
@@ -331,7 +367,47 @@ def step_table(plans: Sequence[BlockPlan]) -> StepTable:
       rows[s, r] = start + rnd.row
       weight[s, r] = rnd.weight
   self_weight = np.stack([p.self_weight for p in plans])
-  return StepTable(tuple(patterns), np.asarray(pattern_of, np.int32), send_rows, source, rows, weight, self_weight)
+  if slot_pairs is None:
+    return StepTable(tuple(patterns), np.asarray(pattern_of, np.int32), send_rows, source, rows, weight, self_weight)
+  sizes = np.array([[int(ex.count.max()) if ex.count.size else 0 for ex in p.exchanges] for p in plans], np.int64)
+  slots, slot_size = [], np.zeros(sizes.shape, np.int32)
+  for e, pairs in enumerate(slot_pairs):
+    options = sorted(set(sizes[:, e].tolist()))
+    slot_size[:, e] = np.searchsorted(options, sizes[:, e])
+    dest, src = np.full(k, -1, np.int64), np.full(k, -1, np.int64)
+    for a, t in pairs:
+      dest[a], src[t] = t, a
+    # Every device of the slot sends the step's longest message: the pairs are code, the rows data.
+    slots.append(tuple(Exchange(e, tuple(pairs), np.zeros((k, m_e), np.int64), np.where(dest >= 0, m_e, 0), dest,
+                                src) for m_e in options))
+  return StepTable((), np.zeros(len(plans), np.int32), send_rows, source, rows, weight, self_weight, tuple(slots),
+                   slot_size)
+
+
+def fixed_slots(num_devices: int, form: str) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+  """A fixed set of exchanges that covers every ordered pair of devices once: ``slot_of`` (K, K) and each one's pairs.
+
+  ``"offsets"``: exchange ``o - 1`` sends from device d to ``(d + o) % K``, for o = 1 ... K - 1.
+  ``"matchings"``: a round-robin tournament's rounds (K - 1 perfect matchings for even K, K
+  for odd K, one device out in each): the two devices of a pair send each other in one exchange.
+  """
+  k = num_devices
+  slot_of = np.full((k, k), -1, np.int64)
+  if form == "offsets":
+    for o in range(1, k):
+      for d in range(k):
+        slot_of[d, (d + o) % k] = o - 1
+  else:
+    m = k - 1 if k % 2 == 0 else k  # the devices that rotate; with even K, device K - 1 meets one each round
+    for r in range(m):
+      for a in range(m):
+        b = (2 * r - a) % m  # a + b = 2r (mod m): every pair of rotating devices meets in one round
+        if a != b:
+          slot_of[a, b] = r
+      if k % 2 == 0:
+        slot_of[r, k - 1] = slot_of[k - 1, r] = r
+  pairs = [[(int(a), int(t)) for a, t in zip(*np.nonzero(slot_of == e))] for e in range(int(slot_of.max()) + 1)]
+  return slot_of, pairs
 
 
 def compile_topology(topology: Topology, num_devices: int) -> tuple[BlockPlan, ...]:
@@ -615,11 +691,26 @@ def apply_step_table(table: StepTable, packed: Sequence[jax.Array], step: jax.Ar
       return received + [[jnp.zeros_like(send) for send in sends[e]] for e in range(len(received), num_ex)]
     return run
 
-  branches = [branch(p) for p in table.patterns]
-  if len(branches) == 1:
-    received = branches[0](sends)
+  def slot_branch(ex: Exchange) -> Callable[[list], list]:
+    def run(sends_e):
+      c = int(ex.count[int(device)]) if static else ex.send_rows.shape[1]
+      if not ex.send_rows.shape[1]:
+        return [jnp.zeros_like(send) for send in sends_e]
+      return [pad(exchange(ex, send[:c] if c else None, t), send) for send, t in zip(sends_e, travel.arrays)]
+    return run
+
+  if table.slots:  # the fixed form: each slot's exchange, as long as this step's longest message
+    assert table.slot_size is not None
+    received, size_now = [], jnp.asarray(table.slot_size)[k]
+    for e, options in enumerate(table.slots):
+      runs = [slot_branch(ex) for ex in options]
+      received.append(runs[0](sends[e]) if len(runs) == 1 else jax.lax.switch(size_now[e], runs, sends[e]))
   else:
-    received = jax.lax.switch(jnp.asarray(table.pattern_of)[k], branches, sends)
+    branches = [branch(p) for p in table.patterns]
+    if len(branches) == 1:
+      received = branches[0](sends)
+    else:
+      received = jax.lax.switch(jnp.asarray(table.pattern_of)[k], branches, sends)
   source = jnp.asarray(table.source)[k][:, int(device)] if static else jnp.asarray(table.source)[k][:, device]
   all_rows = jnp.asarray(table.send_rows)[k]  # (E, K, M)
   dense = [travel.to_dense(received[e], lambda e=e: _senders(source[e], all_rows[e][jnp.maximum(source[e], 0)],
@@ -683,8 +774,49 @@ def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, ex
   return jax.tree.unflatten(treedef, out)
 
 
-def step_table_or_none(plans: Sequence[BlockPlan]) -> StepTable | None:
-  """The `StepTable` of a period of plans, or ``None`` for one plan or plans with rank-one terms."""
+# The exchanges (permutes per bucket) a period's pattern branches may hold before the fixed form is tried.
+_BRANCH_BUDGET = 64
+# The most the fixed form may send, against the patterns' rows, to save their compile time.
+_FIXED_ROWS_AT_MOST = 1.5
+
+
+def _rows_sent(plans: Sequence[BlockPlan], slot_of: np.ndarray | None = None) -> int:
+  """Rows a device sends over the period, padded as the exchanges pad them: per plan and exchange, the longest message."""
+  if slot_of is None:
+    return sum(int(ex.count.max()) for p in plans for ex in p.exchanges if ex.count.size)
+  k = plans[0].num_devices
+  total = 0
+  for p in plans:
+    counts = np.zeros((k, k), np.int64)
+    for ex in p.exchanges:
+      senders = np.flatnonzero(ex.dest >= 0)
+      counts[senders, ex.dest[senders]] += ex.count[senders]
+    longest = np.zeros(int(slot_of.max()) + 1, np.int64)
+    np.maximum.at(longest, slot_of[counts > 0], counts[counts > 0])
+    total += int(longest.sum())
+  return total
+
+
+def step_table_or_none(plans: Sequence[BlockPlan], topology: Topology) -> StepTable | None:
+  """The `StepTable` of a period of plans, or ``None`` for one plan or plans with rank-one terms.
+
+  Where the period's distinct patterns would compile more than a few dozen exchanges (a
+  long random period with several nodes per device, where nearly every step is a pattern of
+  its own), the plans are compiled again to a fixed set of exchanges (`fixed_slots`: the
+  device offsets, or the rounds of a round-robin tournament, whichever sends fewer rows),
+  each with a branch per message length: compile time then follows the node block, not the
+  period. It is taken only where it sends at most 1.5x the patterns' rows.
+  """
   if len(plans) == 1 or any(p.rank_one for p in plans):
     return None
-  return step_table(plans)
+  table = step_table(plans)
+  k = plans[0].num_devices
+  if sum(len(p.exchanges) for p in table.patterns) <= _BRANCH_BUDGET or k < 3:
+    return table
+  forms = [fixed_slots(k, form) for form in ("matchings", "offsets")]
+  rows = [_rows_sent(plans, slot_of) for slot_of, _ in forms]
+  slot_of, pairs = forms[int(np.argmin(rows))]
+  if min(rows) > _FIXED_ROWS_AT_MOST * _rows_sent(plans):
+    return table
+  fixed = [compile_plan(p, k, slot_of) for p in topology.plans()]
+  return step_table(fixed, pairs)

@@ -212,7 +212,7 @@ class Mpi:
     check_same_topology(self.comm, topology)  # before any rank can raise alone, leaving the others waiting
     check_divisible(topology, self.size, "MPI ranks", "gj.backend.mpi")
     plans = compile_topology(topology, self.size)
-    return MpiMixer(topology, self.comm, self.rank, self.size, plans, self.bucket_bytes, step_table_or_none(plans))
+    return MpiMixer(topology, self.comm, self.rank, self.size, plans, self.bucket_bytes, step_table_or_none(plans, topology))
 
   def mean(self, tree: Any) -> Any:
     """Every node gets the average over the nodes of every rank, each node weighted once.

@@ -106,7 +106,7 @@ class Pmapped:
     check_divisible(topology, k, f"devices of pmap axis {self.axis_name!r}", "gj.backend.pmapped")
     _cpu_threads.check_collective_threads(jax.local_devices()[:k], "gj.backend.pmapped")
     plans = compile_topology(topology, k)
-    return PmappedMixer(topology, self.axis_name, k, plans, self.bucket_bytes, step_table_or_none(plans))
+    return PmappedMixer(topology, self.axis_name, k, plans, self.bucket_bytes, step_table_or_none(plans, topology))
 
   def mean(self, tree: Any) -> Any:
     leaves = jax.tree.leaves(tree)

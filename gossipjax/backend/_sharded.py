@@ -97,7 +97,7 @@ def _broadcast_spec(spec: Any, arg: Any) -> Any:
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def _share(rows: jax.Array, split_axis: str) -> tuple[jax.Array, int]:
+def _share(rows: jax.Array, split_axis: str | tuple[str, ...]) -> tuple[jax.Array, int]:
   """This device's 1/D of the columns of (m, ...) rows a node's D devices all hold, and the rows' width."""
   flat = rows.reshape(rows.shape[0], -1)
   width, size = flat.shape[1], lax.axis_size(split_axis)
@@ -106,7 +106,7 @@ def _share(rows: jax.Array, split_axis: str) -> tuple[jax.Array, int]:
   return lax.dynamic_slice_in_dim(flat, lax.axis_index(split_axis) * share, share, axis=1), width
 
 
-def _gathered(share: jax.Array, width: int, split_axis: str) -> jax.Array:
+def _gathered(share: jax.Array, width: int, split_axis: str | tuple[str, ...]) -> jax.Array:
   """The (m, width) rows whose columns a node's devices hold in shares: an all-gather inside the node."""
   return lax.all_gather(share, split_axis, axis=1, tiled=True, to="invarying")[:, :width]
 
@@ -176,10 +176,11 @@ class ShardedMixer:
 
     def exchange(ex, send, x):
       del x
-      if split_on is not None and wire is not None:  # compact parts: each device sends 1/D, the node gathers
-        share, width = _share(send, split_on)
+      split = split_on if split_on is not None else wire_split
+      if split is not None and wire is not None:  # compact parts: each device sends 1/D, the node gathers
+        share, width = _share(send, split)
         got = lax.ppermute(share, axis, perm=ex.pairs)
-        return _gathered(got, width, split_on).reshape(send.shape)
+        return _gathered(got, width, split).reshape(send.shape)
       return lax.ppermute(send, axis, perm=ex.pairs)
 
     def body(tree, parts, context, step):
@@ -190,7 +191,7 @@ class ShardedMixer:
         return mix_split(tree, lambda shares: mix(shares, list(range(len(shares)))), self.bucket_bytes, split_on)
       return mix(tree, layouts)
 
-    layouts, manual = None, None  # default: every mesh axis manual, every leaf P(axis)
+    layouts, manual, wire_split = None, None, None  # default: every mesh axis manual, every leaf P(axis)
     if split_on is not None:
       specs = jax.tree.map(lambda _: P(axis), tree)
     elif any(self.mesh.shape[a] > 1 for a in self.mesh.axis_names if a != axis):
@@ -200,6 +201,8 @@ class ShardedMixer:
         # on the other axes, and only leaves split alike are packed together.
         specs = jax.tree.unflatten(treedef, found)
         layouts = [tuple(f[1:]) for f in found if f is not None]
+        # A compressor's compact parts are whole on each device of a node: each sends its 1/D of them.
+        wire_split = tuple(a for a in self.mesh.axis_names if a != axis and self.mesh.shape[a] > 1)
       else:
         # An Auto mesh under jit hides the layouts: manual over the node axis only, the other
         # axes left to the compiler, and no packing across leaves whose layouts may differ.
@@ -217,7 +220,8 @@ class ShardedMixer:
     # then compiles once, not op by op on every call; under an outer jit it is inlined.
     fixed = (0 if len(plans) == 1 else int(step) % len(plans)) if static else None
     key = (jax.tree.structure(tree), fixed, jax.tree.structure(parts), jax.tree.structure(context),
-           None if wire is None else wire.decode, None if layouts is None else tuple(layouts), manual, split_on)
+           None if wire is None else wire.decode, None if layouts is None else tuple(layouts), manual, split_on,
+           wire_split)
     fn = self._compiled.get(key)
     if fn is None:
       in_specs = (specs, part_specs, jax.tree.map(lambda _: P(), context), P())
@@ -339,7 +343,7 @@ class Sharded:
     plans = compile_topology(topology, self.num_devices)
     # Nodes of several devices (and no other axis splitting them) send their messages in shares.
     split = self.data_axis if self._other_axes == (self.data_axis,) else None
-    return ShardedMixer(topology, self.mesh, self.axis, plans, self.bucket_bytes, step_table_or_none(plans), split)
+    return ShardedMixer(topology, self.mesh, self.axis, plans, self.bucket_bytes, step_table_or_none(plans, topology), split)
 
   def mean(self, tree: Any) -> Any:
     axis = self.axis

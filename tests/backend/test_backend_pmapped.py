@@ -41,6 +41,7 @@ CASES = [
     ("choco_sgd", T.ring(8)),
     ("choco_sgd_random_k", T.ring(16)),  # 2 nodes per device: keys must follow the global node index
     ("easgd", T.ring(16)),
+    ("gossip_sgd", T.random_pairs(32, period=256)),  # 4 nodes per device, a long period: the fixed exchanges
 ]
 
 

@@ -53,6 +53,10 @@ def main() -> int:
   check("gossip_sgd", T.ring(size))  # one node per rank
   check("mix", T.one_peer_exponential(size))
   check("gossip_sgd", T.one_peer_exponential(2 * size), steps=3, wrap=lambda f: f)  # eager
+  long = T.random_pairs(4 * size, period=256)  # 4 nodes per rank: with 3 ranks or more, the fixed exchanges
+  if size >= 3 and not be.mixer(long).table.slots:
+    errors.append(f"{long.name} on {size} ranks did not take the fixed exchanges")
+  check("gossip_sgd", long)
 
   # Only neighbour exchange: one sendrecv per exchange this rank takes part in, no gathers.
   topo = T.exponential(4 * size)
