@@ -384,7 +384,8 @@ def streaming_diloco(
         anyone_current = frac_current > 0
         mask = ok & (current | ~anyone_current)  # nobody current (all held back alike): every live node
         takes_part = _Participation(mask, jnp.where(anyone_current, frac_current, frac_ok), backend, name)
-        own = None if own_outer[p] is None else [True] * len(phi) + own_outer[p]
+        own_state = own_outer[p]
+        own = None if own_state is None else [True] * len(phi) + own_state
 
         def rejoin(phi_and_state):
           return select_nodes(ok & ~mask, takes_part.mean(phi_and_state, own), phi_and_state, own)
