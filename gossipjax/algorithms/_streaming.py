@@ -408,10 +408,10 @@ def streaming_diloco(
           ([anchor[i] for i in group], [pending[i] for i in group], frag_res, outer_states[p], outer_steps[p],
            synced[p], joined[p]))
 
-      def land(operands, p=p):
+      def land(operands, p=p, pend=frag_pending):
         """``overlap`` steps after the sync: the outer step, on the nodes that took part and are live."""
         phi, th, outer_state, syn = operands
-        steps, new_state = outer_pn.update(frag_pending, outer_state, phi)
+        steps, new_state = outer_pn.update(pend, outer_state, phi)
         new_phi = [a + s.astype(a.dtype) for a, s in zip(phi, jax.tree.leaves(steps))]
         new_th = [mixing * t + (1 - mixing) * a for t, a in zip(th, new_phi)]
         if not participation:
