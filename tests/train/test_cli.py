@@ -211,7 +211,9 @@ def test_streaming_diloco_sends_one_fragment_at_a_time_and_a_model_a_round(tmp_p
   # and a ring all-reduce over 2 nodes sends each once. Fragment 0 syncs at step 1 of every 4, fragment 1 at step 3:
   # a round sends the model once, as DiLoCo's does, a fragment at a time.
   first, second = (64 + 64 * 64) * 4, (10 + 64 * 10) * 4
-  assert sent["streaming_diloco"] == [first, first + second, 2 * first + second, 2 * (first + second)]
+  counts = 3 * 4  # under the main job's guard, the participants' counts, all-reduced with each fragment's sync
+  assert sent["streaming_diloco"] == [first + counts, first + second + 2 * counts, 2 * first + second + 3 * counts,
+                                      2 * (first + second + 2 * counts)]
   config = runs["streaming_diloco"]["config"]
   assert (config["learning_rate"], config["outer_momentum"]) == (3e-3, 0.9)
   assert runs["streaming_diloco"]["history"][-1]["consensus_distance"] > 1e-6  # alpha = 0.5 keeps local params
