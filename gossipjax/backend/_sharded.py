@@ -438,8 +438,12 @@ class Sharded:
         # On a mesh with other axes, manual over the node axis only: a node's work (a model
         # split over a 'model' axis, a batch split over a node's devices) is left to the compiler.
         extra: dict[str, Any] = {"axis_names": frozenset({axis})} if self._other_axes else {}
-        body = jax.jit(jax.shard_map(jax.vmap(fn, in_axes=axes), mesh=self.mesh, in_specs=specs, out_specs=P(axis),
-                                     **extra))
+        explicit = tuple(a for a in self._other_axes if _explicit(self.mesh, a))
+        if explicit:
+          body = jax.jit(_auto_inside(fn, axes, self.mesh, axis, specs, explicit, where))
+        else:
+          body = jax.jit(jax.shard_map(jax.vmap(fn, in_axes=axes), mesh=self.mesh, in_specs=specs,
+                                       out_specs=P(axis), **extra))
         self._compiled[key] = body
       def keep_layout(spec, x):  # a node-stacked argument keeps its layout on the other axes
         if spec == P() or not self._other_axes:
@@ -452,6 +456,34 @@ class Sharded:
       return body(*args)
 
     return mapped
+
+
+def _auto_inside(fn: Callable[..., Any], axes: Any, mesh: Mesh, axis: str, specs: Any, explicit: tuple[str, ...],
+                 where: str) -> Callable[..., Any]:
+  """``backend.map`` on a mesh with Explicit axes besides the node axis: those axes are Auto inside.
+
+  A ``shard_map`` manual over the node axis alone would gather the leaves the other Explicit
+  axes split (jax 0.10 lowers its inputs replicated on them), so each device would compute
+  its whole node; inside ``jax.sharding.auto_axes`` the compiler splits a node's work over
+  its devices, as on an Auto mesh. Each output keeps the layout of the first mapped argument
+  of its shape and dtype (a gradient its param's), else ``P(axis)``.
+  """
+
+  def run(*args):
+    layouts = {}
+    for arg, spec in zip(args, specs):
+      per_leaf = jax.tree.leaves(_broadcast_spec(spec, arg), is_leaf=lambda v: isinstance(v, P))
+      for x, leaf in zip(jax.tree.leaves(arg), per_leaf):
+        if leaf != P():
+          layouts.setdefault((tuple(x.shape), jnp.dtype(x.dtype)), leaf_spec(x, mesh, axis, where) or P(axis))
+    plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), args)  # no layouts
+    out = jax.eval_shape(jax.vmap(fn, in_axes=axes), *plain)
+    out_specs = jax.tree.map(lambda o: layouts.get((tuple(o.shape), jnp.dtype(o.dtype)), P(axis)), out)
+    mapped = jax.shard_map(jax.vmap(fn, in_axes=axes), in_specs=specs, out_specs=P(axis), axis_names=frozenset({axis}))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return jax.sharding.auto_axes(mapped, axes=explicit, out_sharding=out_specs)(*args)
+
+  return run
 
 
 def hierarchical(devices_per_node: int, *, devices: Any = None, axis: str = "nodes", data_axis: str = "data",

@@ -95,10 +95,11 @@ def top_k(fraction: float) -> TopK:
   that addresses the layer (``uint8`` up to 256 entries, ``uint16`` up to 65,536, else
   ``uint32``), or the dense layer when that is not larger.
 
-  A layer split over a node's devices along its first dimension (``P("nodes", "model")`` on an
-  Explicit mesh) is selected piece by piece: each device takes the top k of its piece, and
-  the D * k candidates (values and indices), gathered, hold the layer's top k; other splits
-  gather the layer. ``k`` is rounded up, so every layer keeps at least one entry; the CHOCO-SGD authors'
+  A layer whose split over a node's devices is part of its type, along its first dimension
+  (``P("model")`` on an Explicit mesh), is selected piece by piece: each device takes the top
+  k of its piece, and the D * k candidates (values and indices), gathered, hold the layer's
+  top k; other splits gather the layer. Inside ``backend.map`` (``gj.choco_sgd``) the layout
+  is the compiler's, which gathers the layer. ``k`` is rounded up, so every layer keeps at least one entry; the CHOCO-SGD authors'
   code rounds down (``int(fraction * d)``), which keeps one entry fewer whenever
   ``fraction * d`` is not a whole number.
 

@@ -438,6 +438,23 @@ def test_nodes_of_two_devices_send_one_copy_per_neighbour_in_one_permute_per_exc
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
 
 
+def test_map_splits_a_model_sharded_node_over_its_devices_on_an_explicit_mesh():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((4, 2), ("nodes", "model"), axis_types=(EXPLICIT, EXPLICIT))
+  be = gj.backend.sharded(mesh)
+  w0 = np.random.default_rng(0).normal(size=(8, 64, 4))
+  w = jax.device_put(w0, NamedSharding(mesh, P("nodes", "model")))
+  fn = jax.jit(be.map(lambda w, c: (w * jnp.sum(w) + c, jnp.sum(w ** 2)), in_axes=(0, None)))
+  (out, norm), hlo = fn(w, 1.0), fn.lower(w, 1.0).compile().as_text()
+  # Each device works on its half of the node's layer: the sum is an all-reduce of partial sums,
+  # and no device gathers the layer (a shard_map manual over the node axis alone gathered it).
+  assert "all-gather" not in hlo and "all-reduce" in hlo
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("nodes", "model")), 3)  # the param's layout
+  np.testing.assert_allclose(out, w0 * w0.sum(axis=(1, 2), keepdims=True) + 1.0, rtol=1e-12)
+  np.testing.assert_allclose(norm, (w0 ** 2).sum(axis=(1, 2)), rtol=1e-12)
+
+
 def test_layouts_a_node_axis_cannot_take_are_refused():
   from jax.sharding import NamedSharding, PartitionSpec as P
 
