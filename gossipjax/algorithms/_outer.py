@@ -78,6 +78,57 @@ def _reads_second(fn: Any, first: Any, second: Any) -> bool:
   return bool(wanted & used)
 
 
+
+def compress_nodes(c: Compressor, backend: Any, name: str, sent: Any, keys: jax.Array, one_node: Any,
+                   form: str | None) -> tuple[Any, Any, Any]:
+  """Each node's ``sent`` compressed with its key: ``(compact, decoded, chunks)``.
+
+  With ``form="reduce_scatter"`` each node's vector is cut into one piece per node first,
+  and ``compact`` is ``(pieces, their keys)`` with ``chunks`` the `_Chunks` that cut them;
+  otherwise ``compact`` is the compressor's parts and ``chunks`` is ``None``.
+  """
+  node_map = lambda fn: on_nodes(fn, backend)
+  if form == "reduce_scatter":
+    current = mapping()
+    local = current.num_nodes if current is not None else jax.tree.leaves(sent)[0].shape[0]
+    chunks = _Chunks(one_node, gathered_nodes(backend, local, name))
+    compact, chunk_keys, q = node_map(lambda x, k: chunks.encode(c, x, k))(sent, keys)
+    return (compact, chunk_keys), q, chunks
+  compact = node_map(c.encode)(sent, keys)
+  return compact, node_map(lambda parts, k: c.decode(parts, k, one_node))(compact, keys), None
+
+
+def compact_mean(c: Compressor, backend: Any, name: str, compact: Any, keys: jax.Array, one_node: Any,
+                 chunks: Any = None) -> Any:
+  """The mean over the nodes of their compact messages (`compress_nodes`' ``compact`` and ``chunks``), one node's shape.
+
+  With ``chunks`` (the reduce-scatter form), node j receives every node's piece j (an
+  all-to-all), averages the decoded pieces and compresses the mean again, and the
+  compressed means are all-gathered; otherwise every node's compact message is all-gathered
+  and every node decodes all n and averages, the exact mean of the decoded messages.
+  """
+  node_map = lambda fn: on_nodes(fn, backend)
+  first = 0 if mapping() is not None else 1  # one node's shape: without the stacked node axis
+  key_like = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  if chunks is not None:
+    compact, chunk_keys = compact
+    like_piece = chunks.piece
+    reads_key = _decoding_reads_key(c, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[first + 1:], x.dtype),
+                                                    compact), key_like, like_piece)
+    received = node_all_to_all(backend, (compact, chunk_keys) if reads_key else compact, name)
+    their, their_keys = received if reads_key else (received, chunk_keys)
+    reduced, reduced_keys = node_map(lambda r, rk, k: chunks.reduce(c, r, rk, k))(their, their_keys, keys)
+    if reads_key:
+      pieces, piece_keys = node_gather(backend, (reduced, reduced_keys), name)
+    else:
+      pieces = node_gather(backend, reduced, name)
+      piece_keys = jnp.zeros((chunks.n, 2), jnp.uint32)
+    return chunks.join(jax.vmap(lambda p, k: c.decode(p, k, like_piece))(pieces, piece_keys))
+  reads_key = _decoding_reads_key(c, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[first:], x.dtype), compact),
+                                  key_like, one_node)
+  return _gathered_mean(c, backend, name, compact, keys, one_node, first, reads_key)
+
+
 def _gathered_mean(c: Compressor, backend: Backend, name: str, compact: Any, keys: jax.Array, like: Any, first: int,
                    reads_key: bool) -> Any:
   """The mean over all nodes of the decoded ``compact`` messages: an all-gather, then every node decodes all n.
@@ -466,7 +517,6 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
     residuals; the mean is over the participants, and in the mix a participant keeps for
     itself the weight of the neighbours that do not take part.
     """
-    node_map = lambda fn: on_nodes(fn, backend)
     c = compressor
     assert c is not None
     sent = jax.tree.map(lambda g, e: g + e, pseudo_grads, residual) if error_feedback else pseudo_grads
@@ -477,15 +527,8 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
     first = 0 if mapping() is not None else 1  # one node's shape: without the stacked node axis
     like = tuple((tuple(x.shape[first:]), jnp.dtype(x.dtype)) for x in jax.tree.leaves(sent))
     one_node = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*sd) for sd in like])
-    current = mapping()
-    chunks = chunk_keys = None
-    if mixer is None and mean_form == "reduce_scatter":
-      local = current.num_nodes if current is not None else jax.tree.leaves(sent)[0].shape[0]
-      chunks = _Chunks(one_node, gathered_nodes(backend, local, name))
-      compact, chunk_keys, q = node_map(lambda x, k, chunks=chunks: chunks.encode(c, x, k))(sent, keys)
-    else:
-      compact = node_map(c.encode)(sent, keys)
-      q = node_map(lambda parts, k: c.decode(parts, k, one_node))(compact, keys)
+    compact, q, chunks = compress_nodes(c, backend, name, sent, keys, one_node,
+                                        "reduce_scatter" if mixer is None and mean_form == "reduce_scatter" else None)
     new_residual = jax.tree.map(lambda v, d: v - d, sent, q) if error_feedback else residual
     if takes_part is not None:
       q = takes_part.zero_others(q)
@@ -493,28 +536,7 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
         new_residual = select_nodes(takes_part.mask, new_residual, residual)
     residual = new_residual
     if mixer is None:
-      if chunks is not None and chunk_keys is not None:
-        # Node j receives every node's piece j (an all-to-all), averages the decoded pieces and
-        # compresses the mean again; the compressed means are then all-gathered.
-        like_piece = chunks.piece
-        reads_key = _decoding_reads_key(c, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[first + 1:], x.dtype),
-                                                        compact), jax.ShapeDtypeStruct((2,), jnp.uint32), like_piece)
-        received = node_all_to_all(backend, (compact, chunk_keys) if reads_key else compact, name)
-        their, their_keys = received if reads_key else (received, chunk_keys)
-        reduced, reduced_keys = node_map(lambda r, rk, k, chunks=chunks: chunks.reduce(c, r, rk, k))(their, their_keys,
-                                                                                                   keys)
-        if reads_key:
-          pieces, piece_keys = node_gather(backend, (reduced, reduced_keys), name)
-        else:
-          pieces = node_gather(backend, reduced, name)
-          piece_keys = jnp.zeros((chunks.n, 2), jnp.uint32)
-        mean = chunks.join(jax.vmap(lambda p, k: c.decode(p, k, like_piece))(pieces, piece_keys))
-      else:
-        # An all-gather of the compact messages: every node decodes all n and averages, the
-        # exact mean of differently sparsified or scaled messages.
-        reads_key = _decoding_reads_key(c, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[first:], x.dtype),
-                                                        compact), jax.ShapeDtypeStruct((2,), jnp.uint32), one_node)
-        mean = _gathered_mean(c, backend, name, compact, keys, one_node, first, reads_key)
+      mean = compact_mean(c, backend, name, compact, keys, one_node, chunks)
       if mapping() is None:
         mean = follow_placement(jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape), mean, q), q)
       return (mean if takes_part is None else takes_part.divide(mean)), residual

@@ -14,13 +14,12 @@ from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._nodes import per_node
 from gossipjax._validation import check_in_range, check_period, check_positive_int, require_params
 from gossipjax.algorithms._choco import _raw_key
-from gossipjax.algorithms._outer import (_Chunks, _check_outer_rates, _check_transform, _decoding_reads_key,
-                                         _gathered_mean, _node_mask, _Participation, select_nodes)
+from gossipjax.algorithms._outer import (_check_outer_rates, _check_transform, _node_mask, _Participation, compact_mean,
+                                         compress_nodes, select_nodes)
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, resolve_backend
 from gossipjax.mixing._contract import next_count
-from gossipjax.mixing._named import (gathered_nodes, node_all_to_all, node_average, node_fractions, node_gather,
-                                     node_index, node_shape, on_nodes, varies_over_nodes)
+from gossipjax.mixing._named import (node_average, node_fractions, node_index, node_shape, varies_over_nodes)
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -85,7 +84,6 @@ def _compressed_mean(c: Compressor, backend: Backend, name: str, form: str, erro
   every node's compact message. Node i compresses with ``fold_in(key_i, index)``. With
   ``takes_part`` only the participants send and update their residuals, and the mean is theirs.
   """
-  node_map = lambda fn: on_nodes(fn, backend)
   sent = [g + e for g, e in zip(pseudo_grads, residual)] if error_feedback else list(pseudo_grads)
   if takes_part is not None:
     sent = takes_part.zero_others(sent)
@@ -93,36 +91,11 @@ def _compressed_mean(c: Compressor, backend: Backend, name: str, form: str, erro
   current = mapping()
   first = 0 if current is not None else 1  # one node's shape: without the stacked node axis
   one_node = [jax.ShapeDtypeStruct(tuple(x.shape[first:]), jnp.dtype(x.dtype)) for x in sent]
-  chunks = chunk_keys = None
-  if form == "reduce_scatter":
-    local = current.num_nodes if current is not None else sent[0].shape[0]
-    chunks = _Chunks(one_node, gathered_nodes(backend, local, name))
-    compact, chunk_keys, q = node_map(lambda x, k, chunks=chunks: chunks.encode(c, x, k))(sent, keys)
-  else:
-    compact = node_map(c.encode)(sent, keys)
-    q = node_map(lambda parts, k: c.decode(parts, k, one_node))(compact, keys)
+  compact, q, chunks = compress_nodes(c, backend, name, sent, keys, one_node, form)
   new_residual = [v - d for v, d in zip(sent, q)] if error_feedback else residual
   if takes_part is not None and error_feedback:
     new_residual = select_nodes(takes_part.mask, new_residual, residual)
-  if chunks is not None and chunk_keys is not None:
-    # Node j receives every node's piece j (an all-to-all), averages the decoded pieces and
-    # compresses the mean again; the compressed means are then all-gathered.
-    like_piece = chunks.piece
-    reads_key = _decoding_reads_key(c, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[first + 1:], x.dtype),
-                                                    compact), jax.ShapeDtypeStruct((2,), jnp.uint32), like_piece)
-    received = node_all_to_all(backend, (compact, chunk_keys) if reads_key else compact, name)
-    their, their_keys = received if reads_key else (received, chunk_keys)
-    reduced, reduced_keys = node_map(lambda r, rk, k, chunks=chunks: chunks.reduce(c, r, rk, k))(their, their_keys, keys)
-    if reads_key:
-      pieces, piece_keys = node_gather(backend, (reduced, reduced_keys), name)
-    else:
-      pieces = node_gather(backend, reduced, name)
-      piece_keys = jnp.zeros((chunks.n, 2), jnp.uint32)
-    mean = chunks.join(jax.vmap(lambda p, k: c.decode(p, k, like_piece))(pieces, piece_keys))
-  else:
-    reads_key = _decoding_reads_key(c, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[first:], x.dtype), compact),
-                                    jax.ShapeDtypeStruct((2,), jnp.uint32), one_node)
-    mean = _gathered_mean(c, backend, name, compact, keys, one_node, first, reads_key)
+  mean = compact_mean(c, backend, name, compact, keys, one_node, chunks)
   if current is None:
     mean = follow_placement([jnp.broadcast_to(m, x.shape) for m, x in zip(mean, q)], q)
   return (list(mean) if takes_part is None else takes_part.divide(list(mean))), list(new_residual)
