@@ -10,7 +10,6 @@ sends its fragment pseudo-gradient compressed with error feedback (top-k: of eac
 reduce-scatter form, of the whole leaf in the all-gather form).
 """
 
-import re
 from typing import Any
 
 import jax
@@ -20,6 +19,7 @@ import optax
 import pytest
 
 import gossipjax as gj
+from test_outer_compressed import received_bytes  # the bytes a compiled step's collectives bring
 
 N, D, H, F, TAU, ALPHA, ROUNDS = 8, 8, 4, 2, 1, 0.3, 4
 LR, ETA, MU = 0.1, 0.7, 0.9
@@ -225,20 +225,6 @@ def test_top_k_with_error_feedback_matches_numpy(form):
   residual = np.stack([np.asarray(state.residual[k]) for k in NAMES], axis=1)
   np.testing.assert_allclose(residual, e, rtol=0, atol=1e-12)
   assert np.abs(e).max() > 0.1  # the residual carries something
-
-
-_ITEM_BYTES = {"u8": 1, "s8": 1, "u16": 2, "bf16": 2, "f16": 2, "f32": 4, "u32": 4, "s32": 4, "f64": 8}
-
-
-def received_bytes(hlo, n):
-  """Per device, what the all-gathers and all-to-alls of a compiled step bring from the others (n devices)."""
-  found, total = [], 0.0
-  for result, op in re.findall(r"= (\(?[a-z0-9]+\[[^\n]*?) (all-gather|all-reduce|collective-permute|all-to-all)\(",
-                               hlo):
-    found.append(op)
-    for t, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", result):
-      total += _ITEM_BYTES[t] * np.prod([int(d) for d in dims.split(",") if d]) * (n - 1) / n
-  return set(found), total
 
 
 def test_sharded_sends_the_compact_fragments_it_reports_and_equals_the_simulation():
