@@ -780,10 +780,8 @@ _BRANCH_BUDGET = 64
 _FIXED_ROWS_AT_MOST = 1.5
 
 
-def _rows_sent(plans: Sequence[BlockPlan], slot_of: np.ndarray | None = None) -> int:
-  """Rows a device sends over the period, padded as the exchanges pad them: per plan and exchange, the longest message."""
-  if slot_of is None:
-    return sum(int(ex.count.max()) for p in plans for ex in p.exchanges if ex.count.size)
+def _rows_sent(plans: Sequence[BlockPlan], slot_of: np.ndarray) -> int:
+  """Rows the busiest device would send over the period in the fixed exchanges ``slot_of``, each padded to its longest."""
   k = plans[0].num_devices
   total = 0
   for p in plans:
@@ -816,7 +814,7 @@ def step_table_or_none(plans: Sequence[BlockPlan], topology: Topology) -> StepTa
   forms = [fixed_slots(k, form) for form in ("matchings", "offsets")]
   rows = [_rows_sent(plans, slot_of) for slot_of, _ in forms]
   slot_of, pairs = forms[int(np.argmin(rows))]
-  if min(rows) > _FIXED_ROWS_AT_MOST * _rows_sent(plans):
+  if min(rows) > _FIXED_ROWS_AT_MOST * table.rows_sent().sum():
     return table
   fixed = [compile_plan(p, k, slot_of) for p in topology.plans()]
   return step_table(fixed, pairs)
