@@ -343,9 +343,7 @@ def step_table(plans: Sequence[BlockPlan], slot_pairs: Sequence[Sequence[tuple[i
   """
   k, b = plans[0].num_devices, plans[0].block
   keys, patterns, pattern_of = {}, [], []
-  for p in plans:
-    if slot_pairs is not None:
-      break
+  for p in plans if slot_pairs is None else ():  # the fixed form has no patterns
     if p.pattern not in keys:
       keys[p.pattern] = len(patterns)
       patterns.append(p)

@@ -99,8 +99,8 @@ def top_k(fraction: float) -> TopK:
   (``P("model")`` on an Explicit mesh), is selected piece by piece: each device takes the top
   k of its piece, and the D * k candidates (values and indices), gathered, hold the layer's
   top k; other splits gather the layer. Inside ``backend.map`` (``gj.choco_sgd``) the layout
-  is the compiler's, which gathers the layer. ``k`` is rounded up, so every layer keeps at least one entry; the CHOCO-SGD authors'
-  code rounds down (``int(fraction * d)``), which keeps one entry fewer whenever
+  is the compiler's, which gathers the layer. ``k`` is rounded up, so every layer keeps at
+  least one entry; the CHOCO-SGD authors' code rounds down (``int(fraction * d)``), which keeps one entry fewer whenever
   ``fraction * d`` is not a whole number.
 
   Args:

@@ -13,7 +13,7 @@ import pytest
 
 import gossipjax as gj
 from gossipjax import topology as T
-from gossipjax.backend._blocks import buckets, step_table
+from gossipjax.backend._blocks import _rows_sent, buckets, fixed_slots, step_table, step_table_or_none
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi"))
 import backend_cases as cases  # noqa: E402
@@ -196,6 +196,20 @@ def test_a_long_period_compiles_in_at_most_twice_the_simulated_time():
   # took 12x), and within 4x the simulation (the sharded program's own tables and exchanges; 7.6x before).
   short, long, simulated = map(float, lines[1].split())
   assert long <= 2 * short and long <= 4 * simulated, (short, long, simulated)
+
+
+def test_fixed_exchanges_are_taken_only_where_they_send_at_most_half_again_the_rows():
+  be = gj.backend.sharded(_mesh(AUTO))
+  for n, fixed in ((16, False), (32, True), (128, True)):  # 2, 4 and 16 nodes per device, period 256
+    mixer = be.mixer(gj.topology.random_pairs(n, period=256))
+    per_step = step_table(mixer.plans).rows_sent().mean()
+    ratio = float(step_table_or_none(mixer.plans, mixer.topology).rows_sent().mean()) / per_step
+    assert bool(mixer.table.slots) == fixed and (ratio <= 1.5 if fixed else ratio == 1.0), (n, ratio)
+  # What the fixed form would send at 2 nodes per device: over 1.5x, so one branch per step is kept.
+  mixer = be.mixer(gj.topology.random_pairs(16, period=256))
+  rows = min(_rows_sent(mixer.plans, fixed_slots(K, f)[0])
+             for f in ("matchings", "offsets"))
+  assert rows > 1.5 * step_table(mixer.plans).rows_sent().sum()
 
 
 @pytest.mark.parametrize("n, period", [(32, 256), (128, 64)])
