@@ -90,20 +90,23 @@ class _DecodeReceived:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _UnionRounds:
-  """A time-varying W(k) as the rounds of its union graph, each a mixer that delivers one sender's row.
+  """A time-varying W(k) as the rounds of its union graph, each delivering one sender's row.
 
   The union graph (i receives from j at some step of the period) is edge-coloured into c
-  partial permutations; round r's mixer gives node i the row of the node ``src_r(i)`` it
-  receives from in that round (weight 1, self weight 0: zero where it has no edge). W(k) is
-  then ``self_weight[k]`` on a node's own row plus ``weight[k, r]`` on its round-r copy.
+  partial permutations; round r of the mixer's plan gives node i the row of the node
+  ``src_r(i)`` it receives from in that round (weight 1, self weight 0: zero where it has no
+  edge), and ``mixer.mix_rounds`` delivers every round at once. W(k) is then
+  ``self_weight[k]`` on a node's own row plus ``weight[k, r]`` on its round-r copy.
 
   Attributes:
-    mixers: one per round of the union graph.
+    mixer: the union graph's mixer, one round per colour.
+    rounds: c, the number of rounds.
     self_weight: (period, n), the diagonal of W(k).
     weight: (period, c, n), ``W(k)[i, src_r(i)]`` (0 where round r has no edge into i).
   """
 
-  mixers: tuple[NodeMixer, ...]
+  mixer: NodeMixer
+  rounds: int
   self_weight: np.ndarray
   weight: np.ndarray
 
@@ -115,11 +118,9 @@ def _union_rounds(topology: Topology, backend: Backend, name: str) -> _UnionRoun
   off = union.row != union.col
   dst, src = union.row[off].astype(np.int64), union.col[off].astype(np.int64)
   plan = plan_from_edges(n, dst, src, np.ones(len(dst)), np.zeros(n), name)
-  mixers = tuple(
-      make_mixer(Topology.from_plans(MixingPlan(self_weight=np.zeros(n), rounds=(r,)),
-                                     name=f"round {c} of the union graph of {topology.name}"),
-                 backend, "none", name=name, connected=False)
-      for c, r in enumerate(plan.rounds))
+  mixer = make_mixer(Topology.from_plans(MixingPlan(self_weight=np.zeros(n), rounds=plan.rounds),
+                                         name=f"the union graph of {topology.name}"),
+                     backend, "none", name=name, connected=False)
   self_weight = np.zeros((period, n))
   weight = np.zeros((period, len(plan.rounds), n))
   for k in range(period):
@@ -135,7 +136,7 @@ def _union_rounds(topology: Topology, backend: Backend, name: str) -> _UnionRoun
       at = np.minimum(np.searchsorted(keys, want), max(len(keys) - 1, 0))
       found = (keys[at] == want) if len(keys) else np.zeros(len(want), bool)
       weight[k, c, receivers] = np.where(found, data[at] if len(keys) else 0.0, 0.0)
-  return _UnionRounds(mixers, self_weight, weight)
+  return _UnionRounds(mixer, len(plan.rounds), self_weight, weight)
 
 
 def _per_node(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -199,9 +200,9 @@ def choco_sgd(
   is summed from the copies with the weights of the step. What this costs, per step and
   node: one compact message to each union out-neighbour (``random_pairs(16)``: 9.75 on
   average, 8 to 12, against 1 for W(k) itself; ``one_peer_exponential(n)``: ``log2 n``
-  against 1), sent round by round of the union graph's edge colouring (a round is one
-  exchange with one node per device); and a copy of the params per round of that colouring
-  in ``state.neighbour_copies`` (as many as the largest union in-degree, or a few more). It
+  against 1), every round of the union graph's edge colouring in one set of exchanges (at
+  most one message per pair of devices and bucket); and a copy of the params per round of
+  that colouring in ``state.neighbour_copies`` (as many as the largest union in-degree, or a few more). It
   pays where ``union degree x compact size`` is below the dense row: on ``random_pairs(16)``
   with float32 params, ``top_k(0.01)`` sends 0.59 bytes a parameter and ``sign()`` 1.22,
   against 4 for the dense row; ``top_k(0.1)`` (5.9) and ``qsgd`` (int8, 9.75) send more. ``time_varying="dense"`` sends the public copies ``\hat x_j``
@@ -306,7 +307,7 @@ def choco_sgd(
             node_index(mixer.first_node(), shape[0] if shape else 1)),
         message_bits=jnp.zeros(shape, float),
         neighbour_copies=() if union is None else tuple(
-            optax.tree.zeros_like(params, state_dtype) for _ in union.mixers),
+            optax.tree.zeros_like(params, state_dtype) for _ in range(union.rounds)),
     )
     return state._replace(**follow_placement({"key": state.key, "message_bits": state.message_bits}, params))
 
@@ -334,8 +335,8 @@ def choco_sgd(
     if union is not None:
       # Every node j this node receives from at some step sends q_j every step, so the copy of
       # x_hat_j kept here moves with x_hat_j itself; W(k) then weighs the copies.
-      copies = tuple(jax.tree.map(lambda c, r: (c + r).astype(c.dtype), c, m.mix(q, 0, wire))
-                     for c, m in zip(state.neighbour_copies, union.mixers))
+      copies = tuple(jax.tree.map(lambda c, r: (c + r).astype(c.dtype), c, received)
+                     for c, received in zip(state.neighbour_copies, union.mixer.mix_rounds(q, wire)))
       neighbour_sum = jax.tree.map(_weigh(union, state.count, mixer.first_node(), params), public, *copies)
     elif mixer.topology.is_time_varying:
       # The public copies themselves travel, densely, and that is the message counted.

@@ -54,6 +54,10 @@ class Mixer(Protocol):
     """Global index of the first node on the local leading axis (per-node randomness uses it)."""
     ...
 
+  # Optional: ``mix_rounds(tree, wire=None)``, a static W's rounds apart from one set of
+  # exchanges. The built-in mixers have it; on the mixer `gj.mixing.make_mixer` returns, a
+  # backend's mixer without it has each round mixed alone.
+
 
 @runtime_checkable
 class Backend(Protocol):

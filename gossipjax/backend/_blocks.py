@@ -265,7 +265,7 @@ def compile_plan(plan: MixingPlan, num_devices: int, slot_of: np.ndarray | None 
     count = np.zeros(k, np.int64)
     count[devices] = np.bincount(group, minlength=len(group_key))[mine]
     send = np.zeros((k, int(count.max())), np.int64)
-    rows = np.isin(group, mine)
+    rows = which == e
     send[sent_dev[rows], position[rows]] = sent_row[rows]
     dest, source = np.full(k, -1, np.int64), np.full(k, -1, np.int64)
     dest[devices], source[targets] = targets, devices
@@ -406,6 +406,14 @@ def fixed_slots(num_devices: int, form: str) -> tuple[np.ndarray, list[list[tupl
         slot_of[r, k - 1] = slot_of[k - 1, r] = r
   pairs = [[(int(a), int(t)) for a, t in zip(*np.nonzero(slot_of == e))] for e in range(int(slot_of.max()) + 1)]
   return slot_of, pairs
+
+
+def check_rounds_apart(topology: Topology) -> None:
+  """Raises ``ValueError`` unless ``topology``'s rounds can be taken apart: one plan, no rank-one terms."""
+  if topology.is_time_varying or topology.plans()[0].rank_one:
+    raise ValueError(f"gj.backend: mix_rounds takes the rounds of a static W without rank-one terms; "
+                     f"{topology.name} is " + ("time-varying" if topology.is_time_varying else
+                                               "a sum with rank-one terms (mix it whole with mix)"))
 
 
 def compile_topology(topology: Topology, num_devices: int) -> tuple[BlockPlan, ...]:
@@ -605,7 +613,7 @@ def _senders(source: Any, send_rows: Any, block: int) -> Any:
 
 
 def apply_block_plan(plan: BlockPlan, packed: Sequence[jax.Array], device: Any, exchange: ExchangeFn,
-                     reduce: ReduceFn | None = None, travel: _Travel | None = None) -> list[jax.Array]:
+                     reduce: ReduceFn | None = None, travel: _Travel | None = None, apart: bool = False) -> list[Any]:
   """``(W x)`` for this device's block of every bucket (B, width): one exchange per exchange and bucket.
 
   Args:
@@ -618,6 +626,8 @@ def apply_block_plan(plan: BlockPlan, packed: Sequence[jax.Array], device: Any, 
     reduce: sums a (terms, width) array over the devices (psum or an MPI allreduce);
       needed when the plan has rank-one terms, one call per bucket for all of them.
     travel: what crosses (default: the dense buckets themselves).
+    apart: return each round's terms apart, ``[round][bucket]`` (the plan's exchanges serve
+      every round; no self weight, no rank-one terms).
   """
   static = isinstance(device, (int, np.integer))
   travel = travel or _dense_travel(list(packed))
@@ -636,13 +646,20 @@ def apply_block_plan(plan: BlockPlan, packed: Sequence[jax.Array], device: Any, 
 
     for b, g in enumerate(travel.to_dense(got, nodes)):
       bufs[b].append(g)
+
+  def terms(r: BlockRound, acc: jax.Array, xb: list[jax.Array | None]) -> jax.Array:
+    return _weight(_row(r.weight, device), acc) * _assemble(xb, r, device).astype(acc.dtype)
+
+  if apart:
+    return [[terms(r, x.astype(accumulation_dtype(x.dtype)), xb).astype(x.dtype) for x, xb in zip(packed, bufs)]
+            for r in plan.rounds]
   out = []
   for x, xb in zip(packed, bufs):
     # Rows travel in the leaf's dtype; 16-bit floats are summed in float32 and rounded once.
     acc = x.astype(accumulation_dtype(x.dtype))
     y = _weight(_row(plan.self_weight, device), acc) * acc
     for r in plan.rounds:
-      y = y + _weight(_row(r.weight, device), acc) * _assemble(xb, r, device).astype(acc.dtype)
+      y = y + terms(r, acc, xb)
     if plan.rank_one:
       if reduce is None:
         raise ValueError("this backend cannot apply rank-one terms (it has no all-reduce)")
@@ -745,10 +762,8 @@ def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, ex
   keep = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
   if len(keep) < len(leaves):
     # Integer, bool and key leaves (counters, seeds) pass through unchanged, as the simulation leaves them.
-    sub_wire = None if wire is None else Wire([wire.parts[i] for i in keep],
-                                              lambda j, p, s, c: wire.decode(keep[j], p, s, c), wire.context)
     mixed = mix_blocks(plans, [leaves[i] for i in keep], step, device, exchange, reduce, bucket_bytes, table,
-                       sub_wire, None if layouts is None else [layouts[i] for i in keep])
+                       *_floats_only(keep, wire, layouts))
     out = list(leaves)
     for i, y in zip(keep, mixed):
       out[i] = y
@@ -770,6 +785,41 @@ def mix_blocks(plans: Sequence[BlockPlan], tree: Any, step: Any, device: Any, ex
     for i, part in zip(idx, unpack(y, [leaves[i] for i in idx])):
       out[i] = part
   return jax.tree.unflatten(treedef, out)
+
+
+def _floats_only(keep: Sequence[int], wire: Wire | None, layouts: Sequence[Any] | None) -> tuple[Any, Any]:
+  """The wire and layouts of the leaves ``keep`` alone (the float leaves, which are mixed)."""
+  sub_wire = None if wire is None else Wire([wire.parts[i] for i in keep],
+                                            lambda j, p, s, c: wire.decode(keep[j], p, s, c), wire.context)
+  return sub_wire, None if layouts is None else [layouts[i] for i in keep]
+
+
+def mix_block_rounds(plan: BlockPlan, tree: Any, device: Any, exchange: ExchangeFn,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, wire: Wire | None = None,
+                     layouts: Sequence[Any] | None = None) -> tuple[Any, ...]:
+  """Each round of a static plan apart, one tree per round, from one set of exchanges (a mixer's ``mix_rounds``).
+
+  Rounds whose rows travel between the same devices share their exchanges: a union graph of
+  c rounds at several nodes per device sends at most one message per device pair and bucket,
+  where mixing the rounds one by one sends one per round and pair. Leaves that are not floats
+  are returned unchanged in every round.
+  """
+  if plan.rank_one:
+    raise ValueError("gj.backend: the rounds of a plan with rank-one terms cannot be taken apart")
+  leaves, treedef = jax.tree.flatten(tree)
+  out = [list(leaves) for _ in plan.rounds]
+  keep = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if keep:
+    floats = [leaves[i] for i in keep]
+    sub_wire, sub_layouts = _floats_only(keep, wire, layouts)
+    groups = buckets(floats, bucket_bytes, sub_layouts)
+    packed = [_pack([floats[i] for i in idx]) for idx in groups]
+    travel = None if sub_wire is None else _compact_travel(sub_wire, floats, groups, bucket_bytes)
+    for r, mixed in enumerate(apply_block_plan(plan, packed, device, exchange, None, travel, apart=True)):
+      for idx, y in zip(groups, mixed):
+        for i, part in zip(idx, unpack(y, [floats[i] for i in idx])):
+          out[r][keep[i]] = part
+  return tuple(jax.tree.unflatten(treedef, o) for o in out)
 
 
 # The exchanges (permutes per bucket) a period's pattern branches may hold before the fixed form is tried.

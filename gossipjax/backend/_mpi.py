@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, Exchange, StepTable, buckets,
-                                       check_bucket_bytes, Wire, check_divisible, compile_topology, mix_blocks,
-                                       step_table_or_none, unpack)
+                                       check_bucket_bytes, check_rounds_apart, Wire, check_divisible, compile_topology,
+                                       mix_block_rounds, mix_blocks, step_table_or_none, unpack)
 from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._traffic import note_gossip, note_all_to_all, note_gather, note_mean
 from gossipjax.topology import Topology
@@ -136,6 +136,18 @@ class MpiMixer:
     return self.rank * self.local_nodes
 
   def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
+    exchange, reduce = self._exchange()
+    note_gossip(self.topology, tree, step, wire, self.first_node())
+    return mix_blocks(self.plans, tree, step, self.rank, exchange, reduce, self.bucket_bytes, self.table, wire)
+
+  def mix_rounds(self, tree: Any, wire: Wire | None = None) -> tuple[Any, ...]:
+    """Each round of a static W apart, one tree per round, from one set of sendrecvs for all rounds."""
+    check_rounds_apart(self.topology)
+    exchange, _ = self._exchange()
+    note_gossip(self.topology, tree, 0, wire, self.first_node())
+    return mix_block_rounds(self.plans[0], tree, self.rank, exchange, self.bucket_bytes, wire)
+
+  def _exchange(self) -> tuple[Callable[..., Any], Callable[[jax.Array], jax.Array]]:
     mpi4jax, MPI = _import_mpi()
     rank, comm = self.rank, self.comm
 
@@ -160,8 +172,7 @@ class MpiMixer:
     def reduce(partial: jax.Array) -> jax.Array:
       return mpi4jax.allreduce(partial, op=MPI.SUM, comm=comm)
 
-    note_gossip(self.topology, tree, step, wire, self.first_node())
-    return mix_blocks(self.plans, tree, step, rank, exchange, reduce, self.bucket_bytes, self.table, wire)
+    return exchange, reduce
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -15,7 +15,8 @@ from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._traffic import note_gossip, note_all_to_all, note_gather, note_mean
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, check_bucket_bytes, check_divisible,
-                                       Wire, compile_topology, mix_blocks, step_table_or_none)
+                                       check_rounds_apart, Wire, compile_topology, mix_block_rounds, mix_blocks,
+                                       step_table_or_none)
 from gossipjax.topology import Topology
 
 
@@ -68,6 +69,15 @@ class PmappedMixer:
     note_gossip(self.topology, tree, step, wire, self.first_node())
     return mix_blocks(self.plans, tree, step, lax.axis_index(axis), exchange, lambda t: lax.psum(t, axis),
                       self.bucket_bytes, self.table, wire)
+
+  def mix_rounds(self, tree: Any, wire: Wire | None = None) -> tuple[Any, ...]:
+    """Each round of a static W apart, one tree per round, from one set of exchanges for all rounds."""
+    axis = self.axis_name
+    check_rounds_apart(self.topology)
+    check_pmap_size(axis, self.num_devices, self.local_nodes)
+    note_gossip(self.topology, tree, 0, wire, self.first_node())
+    return mix_block_rounds(self.plans[0], tree, lax.axis_index(axis), lambda ex, send, x: lax.ppermute(
+        send, axis, perm=ex.pairs), self.bucket_bytes, wire)
 
 
 @dataclasses.dataclass(frozen=True)

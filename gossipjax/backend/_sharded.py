@@ -24,8 +24,8 @@ from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
 from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._traffic import note_all_to_all, note_gather, note_gossip, note_mean
 from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, buckets, check_bucket_bytes,
-                                       check_divisible, Wire, compile_topology, mix_blocks, step_table_or_none,
-                                       unpack)
+                                       check_divisible, check_rounds_apart, Wire, compile_topology, mix_block_rounds,
+                                       mix_blocks, step_table_or_none, unpack)
 from gossipjax.topology import Topology
 
 
@@ -165,13 +165,23 @@ class ShardedMixer:
 
   def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
     note_gossip(self.topology, tree, step, wire, 0)
+    return self._run(tree, step, wire, apart=False)
+
+  def mix_rounds(self, tree: Any, wire: Wire | None = None) -> tuple[Any, ...]:
+    """Each round of a static W apart, one tree per round, from one set of exchanges for all rounds."""
+    check_rounds_apart(self.topology)
+    note_gossip(self.topology, tree, 0, wire, 0)
+    return self._run(tree, 0, wire, apart=True)
+
+  def _run(self, tree: Any, step: jax.Array | int, wire: Wire | None, apart: bool) -> Any:
     axis, plans = self.axis, self.plans
 
     leaves, treedef = jax.tree.flatten(tree)
     where = f"gj.backend.sharded(mesh, axis={axis!r})"
     # A node spanning devices splits its messages over them where every leaf is a whole copy on
-    # each of its devices (laid out P(axis), or hidden by an Auto mesh under jit).
-    split_on = self.split_axis if self.split_axis is not None and all(
+    # each of its devices (laid out P(axis), or hidden by an Auto mesh under jit); rounds taken
+    # apart send whole copies of dense rows.
+    split_on = self.split_axis if self.split_axis is not None and (wire is not None or not apart) and all(
         leaf_spec(x, self.mesh, axis, where) in (None, P(axis)) for x in leaves) else None
 
     def exchange(ex, send, x):
@@ -185,6 +195,8 @@ class ShardedMixer:
 
     def body(tree, parts, context, step):
       w = None if wire is None else Wire(parts, wire.decode, context)
+      if apart:
+        return mix_block_rounds(plans[0], tree, lax.axis_index(axis), exchange, self.bucket_bytes, w, layouts)
       mix = lambda t, lay: mix_blocks(plans, t, step, lax.axis_index(axis), exchange, lambda v: lax.psum(v, axis),
                                       self.bucket_bytes, self.table, w, lay)
       if split_on is not None and wire is None:  # the shares are the buckets: each one mixed alone
@@ -221,13 +233,14 @@ class ShardedMixer:
     fixed = (0 if len(plans) == 1 else int(step) % len(plans)) if static else None
     key = (jax.tree.structure(tree), fixed, jax.tree.structure(parts), jax.tree.structure(context),
            None if wire is None else wire.decode, None if layouts is None else tuple(layouts), manual, split_on,
-           wire_split)
+           wire_split, apart)
     fn = self._compiled.get(key)
     if fn is None:
       in_specs = (specs, part_specs, jax.tree.map(lambda _: P(), context), P())
       run = (lambda t, p, c, s: body(t, p, c, fixed)) if static else body
       extra: dict[str, Any] = {} if manual is None else {"axis_names": manual}
-      fn = jax.jit(jax.shard_map(run, mesh=self.mesh, in_specs=in_specs, out_specs=specs, **extra))
+      out_specs = (specs,) * len(plans[0].rounds) if apart else specs
+      fn = jax.jit(jax.shard_map(run, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, **extra))
       self._compiled[key] = fn
     return fn(tree, parts, context, jnp.asarray(0 if static else step))
 

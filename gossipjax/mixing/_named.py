@@ -15,12 +15,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_batching import custom_vmap
 
 from gossipjax._axis import Mapping, mapped, mapping
 from gossipjax.backend._base import Mixer
-from gossipjax.backend._blocks import Wire
-from gossipjax.topology import Topology
+from gossipjax.backend._blocks import Wire, check_rounds_apart
+from gossipjax.topology import MixingPlan, Topology
 
 
 def _stacked(x: Any, batched: bool, size: int) -> Any:
@@ -120,9 +121,37 @@ class NodeMixer:
     return self.stacked.first_node()
 
   def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
+    return self._collective(tree, step, wire, self.stacked.mix, lambda tree: tree)
+
+  def mix_rounds(self, tree: Any, wire: Wire | None = None) -> tuple[Any, ...]:
+    """Each round of a static W apart: ``(W_1 x, ..., W_c x)`` with ``W = diag(self weight) + sum_r W_r``.
+
+    Round r of the topology's plan gives node i the term ``W[i, src_r(i)] x_{src_r(i)}`` (zero
+    where it has no edge in that round). The backends that hold nodes apart send every round's
+    rows in one set of exchanges, at most one message per pair of devices and bucket, where
+    mixing the rounds one by one sends one per round. A backend's mixer without ``mix_rounds``
+    mixes each round alone. A static W without rank-one terms only.
+    """
+    check_rounds_apart(self.topology)
+    rounds = len(self.topology.plans()[0].rounds)
+    return self._collective(tree, 0, wire, lambda t, step, w: self._rounds_stacked(t, w),
+                            lambda tree: (tree,) * rounds)
+
+  def _rounds_stacked(self, tree: Any, wire: Wire | None) -> tuple[Any, ...]:
+    fn = getattr(self.stacked, "mix_rounds", None)
+    if fn is not None:
+      return fn(tree, wire)
+    plan = self.topology.plans()[0]
+    return tuple(self.backend.mixer(Topology.from_plans(
+        MixingPlan(self_weight=np.zeros_like(plan.self_weight), rounds=(r,)),
+        name=f"round {c} of {self.topology.name}")).mix(tree, 0, wire) for c, r in enumerate(plan.rounds))
+
+  def _collective(self, tree: Any, step: jax.Array | int, wire: Wire | None,
+                  call: Callable[[Any, Any, Wire | None], Any], shapes: Callable[[Any], Any]) -> Any:
+    """``call(tree, step, wire)`` on stacked trees; inside a mapping, a collective whose rule stacks the nodes' trees."""
     current = mapping()
     if current is None:
-      return self.stacked.mix(tree, step, wire)
+      return call(tree, step, wire)
     check_same_backend(current, self.backend, self.name)
     stacked = self.stacked
     parts = None if wire is None else wire.parts
@@ -131,7 +160,7 @@ class NodeMixer:
     @custom_vmap
     def gossip(tree, step, parts, context, witness):
       del step, parts, context, witness
-      return tree  # the shape only: under the mapping the rule below runs instead
+      return shapes(tree)  # the shape only: under the mapping the rule below runs instead
 
     @gossip.def_vmap
     def rule(axis_size, in_batched, tree, step, parts, context, witness):
@@ -142,11 +171,11 @@ class NodeMixer:
       step = 0 if not stacked.topology.is_time_varying and wire is None else _shared(step, b_step)
       with mapped(None):
         if wire is None:
-          out = stacked.mix(tree, step)
+          out = call(tree, step, None)
         else:
           parts = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), parts, b_parts)
           context = jax.tree.map(_shared, context, b_context)
-          out = stacked.mix(tree, step, Wire(parts, wire.decode, context))
+          out = call(tree, step, Wire(parts, wire.decode, context))
       return out, jax.tree.map(lambda _: True, out)
 
     return gossip(tree, jnp.asarray(step), parts, context, _witness())

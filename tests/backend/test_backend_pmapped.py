@@ -40,6 +40,7 @@ CASES = [
     ("sgp", T.erdos_renyi(16, 0.4, seed=1)),
     ("choco_sgd", T.ring(8)),
     ("choco_sgd_random_k", T.ring(16)),  # 2 nodes per device: keys must follow the global node index
+    ("choco_sgd_random_k", T.one_peer_exponential(16)),  # time-varying: the union graph's rounds, mixed at once
     ("easgd", T.ring(16)),
     ("gossip_sgd", T.random_pairs(32, period=256)),  # 4 nodes per device, a long period: the fixed exchanges
 ]
