@@ -23,8 +23,9 @@ sizes, writes only where ``--json`` says). The parts, on 8 XLA CPU devices
   permute as float32, so CPU HLO would count a bf16 model's bytes twice);
 - ``matchings``: exchanges per step of ``random_pairs(n)`` on 8 devices (n = 16, 32, 64), against the most
   device pairs one device sends or receives, the least number of exchanges that can carry a step;
-- ``period``: compile time of ``random_pairs(n, period=P)`` at 1, 4 and 16 nodes per device, sharded against
-  simulated (best of 3; of 1 at period 256 with several nodes per device);
+- ``period``: compile time and kernels of ``random_pairs(n, period=P)`` at 1, 2, 4 and 16 nodes per device,
+  sharded against simulated (best of 3; of 1 at period 256 with several nodes per device), and of the fixed
+  exchanges at 4 nodes per device with every exchange at its longest message (no branch);
 - ``mpi``: a jitted MPI gossip round (``mixer.mix``) of a ResNet-20's params on a ring of 4 ranks
   (``mpiexec -n 4``, launched with ``gj.backend.mpi_launch_env``), fused against per leaf: ms per
   round (median of the slowest rank) and ``sendrecv`` calls in the program;
@@ -37,6 +38,7 @@ Not part of ``python -m benchmarks``: it launches MPI and may run on a GPU machi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -74,6 +76,11 @@ _ITEMSIZE = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "u32": 4, "s32": 4, "u16":
 def permutes(compiled_text: str) -> int:
   """Collective-permutes in a compiled program (``-start`` where the backend makes them asynchronous)."""
   return len(re.findall(r"\bcollective-permute(?:-start)?\(", compiled_text))
+
+
+def kernels(compiled_text: str) -> int:
+  """Fusions in a compiled program: on XLA:CPU each is a kernel of its own, compiled apart."""
+  return len(re.findall(r" fusion\(", compiled_text))
 
 
 def permute_bytes(compiled_text: str) -> int:
@@ -306,7 +313,7 @@ def mlp_tree(n: int) -> dict:
 def against_period(quick: bool) -> dict:
   from gossipjax.backend._blocks import compile_topology, step_table
 
-  periods, per_device, reps = ((4, 16), (1, 4), 1) if quick else ((4, 16, 64, 256), (1, 4, 16), 3)
+  periods, per_device, reps = ((4, 16), (1, 4), 1) if quick else ((4, 16, 64, 256), (1, 2, 4, 16), 3)
   sharded = sharded_backend()
   simulate = gj.backend.simulate()
   rows = []
@@ -319,7 +326,7 @@ def against_period(quick: bool) -> dict:
       for _ in range(reps if b == 1 or period < 256 else 1):  # alternating: the machine is shared
         for name, be in (("simulate", simulate), ("sharded", sharded)):
           t = compile_times(lambda: gossip_update(topo, be, params[name]), 1)
-          del t["hlo"]
+          t["kernels"] = kernels(t.pop("hlo"))
           times[name].append(t)
       best = {name: {k: min(t[k] for t in ts) for k in ts[0]} for name, ts in times.items()}
       table = sharded.mixer(topo).table
@@ -329,8 +336,32 @@ def against_period(quick: bool) -> dict:
                    "fixed_exchanges": bool(table.slots), "rows_per_step": float(table.rows_sent().mean()),
                    "rows_per_step_per_pattern": float(per_step), **best,
                    "compile_ratio": best["sharded"]["compile_s"] / best["simulate"]["compile_s"]})
+  # What bounds the fixed form: the same program with every exchange at its longest message (no branch).
+  n, period = 4 * DEVICES, 256
+  topo = gj.topology.random_pairs(n, period=period)
+  params = {"simulate": mlp_tree(n), "sharded": sharded.shard(mlp_tree(n))}
+  times = {"simulate": [], "fixed": [], "longest": []}
+  for _ in range(reps):
+    for name, be in (("simulate", simulate), ("fixed", sharded), ("longest", _LongestMessages(sharded.mesh))):
+      t = compile_times(lambda: gossip_update(topo, be, params["simulate" if name == "simulate" else "sharded"]), 1)
+      t["kernels"] = kernels(t.pop("hlo"))
+      times[name].append(t)
+  floor = {name: {k: min(t[k] for t in ts) for k in ts[0]} for name, ts in times.items()}
   return {"devices": DEVICES, "model": "MLP 64-32-32-10 per node, float32", "best_of": reps,
-          "best_of_at_period_256": 1, "rows": rows}
+          "best_of_at_period_256": 1, "rows": rows,
+          "no_branch": {"nodes": n, "period": period, "best_of": reps, **floor}}
+
+
+class _LongestMessages(gj.backend.Sharded):
+  """The sharded backend with every fixed exchange at its longest message of the period: no branch."""
+
+  def mixer(self, topology):
+    m = super().mixer(topology)
+    t = m.table
+    assert t is not None and t.slots and t.slot_size is not None
+    longest = dataclasses.replace(t, slots=tuple(options[-1:] for options in t.slots),
+                                  slot_size=np.zeros_like(t.slot_size))
+    return dataclasses.replace(m, table=longest)
 
 
 def mpi_round(quick: bool) -> dict:
@@ -494,13 +525,20 @@ def table(r: dict) -> list[str]:
     p = r["period"]
     lines += ["", f"random_pairs(n, period=P) on {p['devices']} devices, gossip_sgd on {p['model']}: seconds",
               "  n   period  branches  simulate: trace+lower  compile   sharded: trace+lower  compile   "
-              "sharded/simulate compile  rows a step: compiled / per-step patterns"]
+              "sharded/simulate compile  kernels: simulate / sharded  rows a step: compiled / per-step patterns"]
     for row in p["rows"]:
       s, h = row["simulate"], row["sharded"]
       lines.append(f"  {row['nodes']:<4d}{row['period']:>6d} {row['branches']:>9d} {s['trace_s'] + s['lower_s']:22.3f} "
                    f"{s['compile_s']:8.3f} {h['trace_s'] + h['lower_s']:21.3f} {h['compile_s']:8.3f} "
-                   f"{row['compile_ratio']:25.2f}x  {row['rows_per_step']:8.2f} / {row['rows_per_step_per_pattern']:.2f}"
+                   f"{row['compile_ratio']:25.2f}x  {s.get('kernels', 0):17d} / {h.get('kernels', 0):<7d} "
+                   f"{row['rows_per_step']:8.2f} / {row['rows_per_step_per_pattern']:.2f}"
                    + (" (fixed)" if row["fixed_exchanges"] else ""))
+    if "no_branch" in p:
+      f = p["no_branch"]
+      lines += [f"random_pairs({f['nodes']}, period={f['period']}), compile (s) and kernels, best of {f['best_of']}: "
+                + ", ".join(f"{name} {f[name]['compile_s']:.3f} ({f[name]['kernels']})"
+                            for name in ("simulate", "fixed", "longest"))
+                + " (longest: every fixed exchange at its longest message, no branch)"]
   if "mpi" in r:
     p = r["mpi"]
     lines.append("")
