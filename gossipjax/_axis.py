@@ -51,3 +51,22 @@ def mapped(value: Mapping | None) -> Iterator[None]:
     yield
   finally:
     _MAPPING.reset(token)
+
+
+_PIECES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("gossipjax_pieces", default=())
+
+
+def piece_axes() -> tuple[str, ...]:
+  """Inside a backend's per-node map, the mesh axes a node's leaves may be split over (a model over a node's
+  devices, not a batch's data axis); ``()`` elsewhere."""
+  return _PIECES.get()
+
+
+@contextlib.contextmanager
+def pieces_over(axes: tuple[str, ...]) -> Iterator[None]:
+  """Within the block, per-node code may find a node's leaves split over ``axes``."""
+  token = _PIECES.set(tuple(axes))
+  try:
+    yield
+  finally:
+    _PIECES.reset(token)

@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from gossipjax._axis import pieces_over
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
 from gossipjax.backend._precision import mean_terms
@@ -452,10 +453,13 @@ class Sharded:
         # split over a 'model' axis, a batch split over a node's devices) is left to the compiler.
         extra: dict[str, Any] = {"axis_names": frozenset({axis})} if self._other_axes else {}
         explicit = tuple(a for a in self._other_axes if _explicit(self.mesh, a))
+        # Inside, a node's leaves may be split over its model axes (not the data axis, where its
+        # params are copies): a compressor then selects from each device's piece (gj.compress.top_k).
+        node_fn = _pieces_over(fn, tuple(a for a in self._other_axes if a != self.data_axis))
         if explicit:
-          body = jax.jit(_auto_inside(fn, axes, self.mesh, axis, specs, explicit, where))
+          body = jax.jit(_auto_inside(node_fn, axes, self.mesh, axis, specs, explicit, where))
         else:
-          body = jax.jit(jax.shard_map(jax.vmap(fn, in_axes=axes), mesh=self.mesh, in_specs=specs,
+          body = jax.jit(jax.shard_map(jax.vmap(node_fn, in_axes=axes), mesh=self.mesh, in_specs=specs,
                                        out_specs=P(axis), **extra))
         self._compiled[key] = body
       def keep_layout(spec, x):  # a node-stacked argument keeps its layout on the other axes
@@ -469,6 +473,18 @@ class Sharded:
       return body(*args)
 
     return mapped
+
+
+def _pieces_over(fn: Callable[..., Any], axes: tuple[str, ...]) -> Callable[..., Any]:
+  """``fn``, traced where per-node code may find a node's leaves split over ``axes`` (its model axes)."""
+  if not axes:
+    return fn
+
+  def run(*args):
+    with pieces_over(axes):
+      return fn(*args)
+
+  return run
 
 
 def _auto_inside(fn: Callable[..., Any], axes: Any, mesh: Mesh, axis: str, specs: Any, explicit: tuple[str, ...],

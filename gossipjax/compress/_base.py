@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gossipjax._axis import piece_axes
+
 
 @dataclasses.dataclass(frozen=True)
 class Compressor:
@@ -206,6 +208,22 @@ def row_pieces(x: jax.Array) -> jax.Array | None:
   mesh = jax.typeof(x).sharding.mesh
   pieces = math.prod(mesh.shape[a] for a in names)
   return jnp.reshape(x, (pieces, x.size // pieces), out_sharding=jax.sharding.PartitionSpec(spec[0]))
+
+
+def map_pieces(x: jax.Array) -> tuple[jax.Array, tuple[str, ...]] | None:
+  """Inside a backend's per-node map, ``x`` as ``(D, size / D)`` rows and the mesh axes of the node's D devices.
+
+  There the layout is the compiler's (Auto axes), so it is not read from ``x``: the map names
+  the axes a node's leaves may be split over (a model's, not a batch's data axis), and row
+  ``p`` is the piece device ``p`` holds when ``x`` is split along its first dimension over
+  them. ``None`` outside such a map, or where the first dimension does not divide by D.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(a for a in piece_axes() if a in mesh.auto_axes)
+  pieces = math.prod(mesh.shape[a] for a in axes)
+  if not axes or jnp.ndim(x) == 0 or x.shape[0] % pieces:
+    return None
+  return jnp.reshape(x, (pieces, x.size // pieces)), axes
 
 
 def wire_bits(specs: Sequence[jax.ShapeDtypeStruct]) -> int:

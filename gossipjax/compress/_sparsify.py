@@ -9,8 +9,10 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from gossipjax.compress._base import Compressor, check_fraction, gathered, require_floating, row_pieces, split_spec
+from gossipjax.compress._base import (Compressor, check_fraction, gathered, map_pieces, require_floating, row_pieces,
+                                      split_spec)
 
 
 def _num_kept(fraction: float, size: int) -> int:
@@ -69,15 +71,27 @@ class TopK(Compressor):
     if not self._sparse_is_smaller(x.size, x.dtype):
       return (self._leaf(gathered(x), key),)
     rows = row_pieces(x)
-    if rows is not None:  # a node split over devices: the top k of each piece, gathered, hold the top k
-      k = _num_kept(self.fraction, x.size)
-      _, local = lax.top_k(jnp.abs(rows), min(k, rows.shape[1]))
-      values = gathered(jnp.take_along_axis(rows, local, axis=1).ravel())
-      candidates = gathered((local + rows.shape[1] * jnp.arange(rows.shape[0])[:, None]).ravel())
-      _, best = lax.top_k(jnp.abs(values), k)  # ties keep the lower index first, as one top_k over x does
-      return values[best], candidates[best].astype(index_dtype(x.size, self._name))
+    if rows is not None:  # the split is in the leaf's type: the node's devices gather their pieces' candidates
+      return self._top_of_rows(rows, 0, x.size, gathered)
+    pieces = map_pieces(x)
+    if pieces is not None:  # inside a backend's map, where the compiler would gather the layer to select from
+      rows, axes = pieces
+      gather = lambda v: lax.all_gather(v, axes, tiled=True, to="invarying")
+      return jax.shard_map(lambda r: self._top_of_rows(r, lax.axis_index(axes), x.size, gather),
+                           in_specs=P(axes), out_specs=P(), axis_names=frozenset(axes))(rows)
     idx, values = self._top(gathered(x))
     return values, idx.astype(index_dtype(x.size, self._name))
+
+  def _top_of_rows(self, rows, first_row, size, gather):
+    """A layer's top k (values, flat indices) from rows of its pieces, ``rows[0]`` the layer's row ``first_row``:
+    the top k of each row, then of the D * k candidates that ``gather`` brings together."""
+    k = _num_kept(self.fraction, size)
+    _, local = lax.top_k(jnp.abs(rows), min(k, rows.shape[1]))
+    values = gather(jnp.take_along_axis(rows, local, axis=1).ravel())
+    flat = local + rows.shape[1] * (first_row + jnp.arange(rows.shape[0])[:, None])
+    candidates = gather(flat.ravel().astype(index_dtype(size, self._name)))
+    _, best = lax.top_k(jnp.abs(values), k)  # ties keep the lower index first, as one top_k over x does
+    return values[best], candidates[best]
 
   def _decode(self, compact, key, shape, dtype):
     del key
@@ -95,12 +109,18 @@ def top_k(fraction: float) -> TopK:
   that addresses the layer (``uint8`` up to 256 entries, ``uint16`` up to 65,536, else
   ``uint32``), or the dense layer when that is not larger.
 
-  A layer whose split over a node's devices is part of its type, along its first dimension
-  (``P("model")`` on an Explicit mesh), is selected piece by piece: each device takes the top
-  k of its piece, and the D * k candidates (values and indices), gathered, hold the layer's
-  top k; other splits gather the layer. Inside ``backend.map`` (``gj.choco_sgd``) the layout
-  is the compiler's, which gathers the layer. ``k`` is rounded up, so every layer keeps at
-  least one entry; the CHOCO-SGD authors' code rounds down (``int(fraction * d)``), which keeps one entry fewer whenever
+  A layer split over a node's D devices is selected piece by piece: each device takes the
+  top k of its piece, and the D * k candidates (values and indices), gathered, hold the
+  layer's top k (ties to the lower index, as one top k over the layer). On an Explicit mesh
+  the split is read from the layer's type (``P("model")``, along its first dimension).
+  Inside the sharded backend's ``backend.map`` (``gj.choco_sgd``), on Explicit and Auto
+  meshes alike, the pieces are those of the node's model axes (the mesh axes besides the
+  node axis and ``data_axis``) for every layer whose first dimension divides by D: a layer
+  split along another dimension is moved into them (an all-to-all), and one held whole by
+  each device is sliced. Other layers are gathered whole.
+
+  ``k`` is rounded up, so every layer keeps at least one entry; the CHOCO-SGD authors' code
+  rounds down (``int(fraction * d)``), which keeps one entry fewer whenever
   ``fraction * d`` is not a whole number.
 
   Args:

@@ -302,6 +302,28 @@ def test_choco_on_model_sharded_nodes_equals_the_simulation(kind):
       assert 2 * per_device <= 1.1 * 2 * message, (compressor, per_device, message)  # 2 neighbours on a ring
 
 
+@pytest.mark.parametrize("kind", [EXPLICIT, AUTO], ids=["explicit", "auto"])
+def test_choco_top_k_on_model_sharded_nodes_gathers_candidates_not_the_layer(kind):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((4, 2), ("nodes", "model"), axis_types=(kind, kind))
+  host = np.random.default_rng(5).normal(size=(8, 64, 4)).astype(np.float32)
+  x = jax.device_put(host, NamedSharding(mesh, P("nodes", "model")))  # each node's layer split over 2 devices
+  tx = gj.choco_sgd(T.ring(8), gj.compress.top_k(0.1), learning_rate=0.1, consensus_step=0.5,
+                    backend=gj.backend.sharded(mesh))
+  step = jax.jit(lambda p, s: tx.update(0.1 * p, s, p))
+  gathers = [re.search(r"= \w+\[([\d,]*)\]\S* all-gather", line).group(1)
+             for line in _collective_lines(step.lower(x, tx.init(x)).compile().as_text()) if "all-gather" in line]
+  sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in gathers]
+  # 2 nodes a device: each gathers its 2 devices' 26 candidates (values, then indices), not its 256 entries.
+  assert sizes and max(sizes) == 2 * 2 * 26, sizes
+  u, state = step(x, tx.init(x))
+  sim = gj.choco_sgd(T.ring(8), gj.compress.top_k(0.1), learning_rate=0.1, consensus_step=0.5)
+  want, sim_state = sim.update(0.1 * host, sim.init(host), host)
+  np.testing.assert_allclose(u, want, rtol=0, atol=1e-6)
+  np.testing.assert_array_equal(state.message_bits, sim_state.message_bits)
+
+
 def _collective_lines(compiled_text: str) -> list[str]:
   return [line for line in compiled_text.split("\n")
           if re.search(r"\b(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(?:-start)?\(", line)]
