@@ -1,9 +1,10 @@
-"""Every rank checks its block of nodes against a simulate-backend run it computes itself.
+"""Every rank checks its block of nodes against the simulate backend's run of the same case.
 
 Launched by ``tests/test_backend_mpi.py`` as ``mpiexec -n 4 python tests/mpi/check_mpi_equality.py``;
 one launch covers every (algorithm, topology) case, eager and jitted, with one and two nodes
 per rank, and counts the MPI calls in the traced program. Rank 0 prints one ``OK`` line per
-rank; a rank with any mismatch exits non-zero.
+rank; a rank with any mismatch exits non-zero. The ranks share the simulated runs: each computes
+every size-th case and the others receive it.
 """
 
 import sys
@@ -35,28 +36,33 @@ def main() -> int:
   if sys.excepthook is not sys.__excepthook__:
     errors.append("gj.backend.mpi() replaced sys.excepthook although abort_on_error was not asked for")
 
-  def check(name, topo, steps=cases.STEPS, wrap=jax.jit):
-    nonlocal worst, checked
+  long = T.random_pairs(4 * size, period=256)  # 4 nodes per rank: with 3 ranks or more, the fixed exchanges
+  if size >= 3 and not be.mixer(long).table.slots:
+    errors.append(f"{long.name} on {size} ranks did not take the fixed exchanges")
+  runs = [(name, topo, cases.STEPS, jax.jit) for name, topo in cases.cases(2 * size)]  # two nodes per rank
+  runs += [("gossip_sgd", T.ring(size), cases.STEPS, jax.jit),  # one node per rank
+           ("mix", T.one_peer_exponential(size), cases.STEPS, jax.jit),
+           ("gossip_sgd", T.one_peer_exponential(2 * size), 3, lambda f: f),  # eager
+           ("gossip_sgd", long, cases.STEPS, jax.jit)]
+
+  # The simulation of every case, each rank computing its share: every rank compiles its own MPI
+  # programs, and would otherwise compile every simulated one too.
+  references = {}
+  share = {i: cases.reference(name, topo, *cases.problem(topo.num_nodes), steps)
+           for i, (name, topo, steps, _) in enumerate(runs) if i % size == rank}
+  for part in be.comm.allgather(share):
+    references.update(part)
+
+  for i, (name, topo, steps, wrap) in enumerate(runs):
     n = topo.num_nodes
     x0, a, b = cases.problem(n)
     mine = be.node_slice(n)
     tx = cases.algorithm(name, topo, be)
     got = cases.trajectory(tx, jnp.asarray(x0[mine]), jnp.asarray(a[mine]), jnp.asarray(b[mine]), steps, wrap)
-    want = cases.reference(name, topo, x0, a, b, steps)[:, mine]
-    err = float(np.max(np.abs(got - want)))
+    err = float(np.max(np.abs(got - references[i][:, mine])))
     worst, checked = max(worst, err), checked + 1
     if not err <= 1e-12:
       errors.append(f"{name} on {topo.name}: max |mpi - simulate| = {err:.3g}")
-
-  for name, topo in cases.cases(2 * size):  # two nodes per rank
-    check(name, topo)
-  check("gossip_sgd", T.ring(size))  # one node per rank
-  check("mix", T.one_peer_exponential(size))
-  check("gossip_sgd", T.one_peer_exponential(2 * size), steps=3, wrap=lambda f: f)  # eager
-  long = T.random_pairs(4 * size, period=256)  # 4 nodes per rank: with 3 ranks or more, the fixed exchanges
-  if size >= 3 and not be.mixer(long).table.slots:
-    errors.append(f"{long.name} on {size} ranks did not take the fixed exchanges")
-  check("gossip_sgd", long)
 
   # Only neighbour exchange: one sendrecv per exchange this rank takes part in, no gathers.
   topo = T.exponential(4 * size)
