@@ -59,10 +59,12 @@ def test_nodes_of_two_devices_equal_the_simulation(simulated, tmp_path):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_mpi_main_job_equals_the_simulation(simulated, tmp_path):
-  out = _launch([BIN / "mpiexec", "-n", "4", BIN / "gossipjax"] + ARGS + ["--backend", "mpi", "--out", str(tmp_path)],
+  """2 ranks of 4 nodes: every rank compiles every run's programs, and 4 ranks on CI's 2 cores took 2.5x as long.
+  The backend's exchanges among 4 ranks, on these topologies, are tests/mpi/check_mpi_equality.py's."""
+  out = _launch([BIN / "mpiexec", "-n", "2", BIN / "gossipjax"] + ARGS + ["--backend", "mpi", "--out", str(tmp_path)],
                 300)
   got = json.loads((tmp_path / "metrics.json").read_text())
-  assert got["config"]["devices"] == 4 and got["config"]["backend"] == "mpi"
+  assert got["config"]["devices"] == 2 and got["config"]["backend"] == "mpi"
   assert out.count("| dmsgd/ring |") == 1  # only rank 0 prints the table
   _assert_same_metrics(got, simulated)
 
