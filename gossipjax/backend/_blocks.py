@@ -416,6 +416,13 @@ def check_rounds_apart(topology: Topology) -> None:
                                                "a sum with rank-one terms (mix it whole with mix)"))
 
 
+def rounds_alone(topology: Topology) -> list[MixingPlan]:
+  """Each round of a static W as a plan of its own (no self weight): what ``mix_rounds`` returns, one at a time."""
+  check_rounds_apart(topology)
+  plan = topology.plans()[0]
+  return [MixingPlan(self_weight=np.zeros_like(plan.self_weight), rounds=(r,)) for r in plan.rounds]
+
+
 def compile_topology(topology: Topology, num_devices: int) -> tuple[BlockPlan, ...]:
   return tuple(compile_plan(p, num_devices) for p in topology.plans())
 
@@ -804,8 +811,6 @@ def mix_block_rounds(plan: BlockPlan, tree: Any, device: Any, exchange: Exchange
   where mixing the rounds one by one sends one per round and pair. Leaves that are not floats
   are returned unchanged in every round.
   """
-  if plan.rank_one:
-    raise ValueError("gj.backend: the rounds of a plan with rank-one terms cannot be taken apart")
   leaves, treedef = jax.tree.flatten(tree)
   out = [list(leaves) for _ in plan.rounds]
   keep = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]

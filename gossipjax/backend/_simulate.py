@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from gossipjax.backend._base import node_sharding
-from gossipjax.backend._blocks import check_rounds_apart
+from gossipjax.backend._blocks import rounds_alone
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import accumulation_dtype, mean_terms
 from gossipjax.backend._traffic import note_gossip, note_all_to_all, note_gather, note_mean
@@ -121,11 +121,9 @@ class SimulateMixer:
 
   def mix_rounds(self, tree: Any, wire: Any = None) -> tuple[Any, ...]:
     """Each round of a static W apart, one tree per round (``W = diag(self weight) + sum_r W_r``)."""
-    check_rounds_apart(self.topology)
+    alone = rounds_alone(self.topology)
     note_gossip(self.topology, tree, 0, wire, 0)
     warn_if_placed(tree, self.topology.name)
-    plan = self.topology.plans()[0]
-    alone = [MixingPlan(self_weight=np.zeros_like(plan.self_weight), rounds=(r,)) for r in plan.rounds]
     return tuple(jax.tree.map(lambda x: apply_plan(p, x), tree) for p in alone)
 
 

@@ -15,13 +15,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.custom_batching import custom_vmap
 
 from gossipjax._axis import Mapping, mapped, mapping
 from gossipjax.backend._base import Mixer
-from gossipjax.backend._blocks import Wire, check_rounds_apart
-from gossipjax.topology import MixingPlan, Topology
+from gossipjax.backend._blocks import Wire, check_rounds_apart, rounds_alone
+from gossipjax.topology import Topology
 
 
 def _stacked(x: Any, batched: bool, size: int) -> Any:
@@ -141,10 +140,8 @@ class NodeMixer:
     fn = getattr(self.stacked, "mix_rounds", None)
     if fn is not None:
       return fn(tree, wire)
-    plan = self.topology.plans()[0]
-    return tuple(self.backend.mixer(Topology.from_plans(
-        MixingPlan(self_weight=np.zeros_like(plan.self_weight), rounds=(r,)),
-        name=f"round {c} of {self.topology.name}")).mix(tree, 0, wire) for c, r in enumerate(plan.rounds))
+    return tuple(self.backend.mixer(Topology.from_plans(p, name=f"round {c} of {self.topology.name}")).mix(tree, 0, wire)
+                 for c, p in enumerate(rounds_alone(self.topology)))
 
   def _collective(self, tree: Any, step: jax.Array | int, wire: Wire | None,
                   call: Callable[[Any, Any, Wire | None], Any], shapes: Callable[[Any], Any]) -> Any:
