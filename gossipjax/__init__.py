@@ -7,17 +7,15 @@ leading node axis; a topology (the mixing matrix W) says who averages with whom.
 from gossipjax import algorithms, asynchrony, backend, checkpoint, compress, data, mixing, topology
 from gossipjax.backend._traffic import bytes_per_step
 from gossipjax._guard import GuardFiniteState, SkipNodes, check_guard, guard_finite, nonfinite_counts, zero_skipped
-from gossipjax._nodes import (
-    chain,
+from gossipjax._mapping import chain, nodes, per_node
+from gossipjax._stacked import (
     check_finite,
     consensus_distance,
     evaluate_mean,
     evaluate_nodes,
     init_nodes,
     node_mean,
-    nodes,
     nonfinite_nodes,
-    per_node,
 )
 from gossipjax.algorithms import (
     ChocoState,

@@ -15,7 +15,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from gossipjax._guard import SkipNodes, zero_skipped
-from gossipjax._nodes import per_node
+from gossipjax._mapping import per_node
 from gossipjax._validation import (FLOAT32_MAX, check_in_range, check_learning_rate, check_node_axis, check_period,
                                    require_params)
 from gossipjax.algorithms._choco import _DecodeReceived, _raw_key

@@ -11,7 +11,7 @@ from jax import lax
 
 from gossipjax._axis import mapping
 from gossipjax._guard import SkipNodes, zero_skipped
-from gossipjax._nodes import per_node
+from gossipjax._mapping import per_node
 from gossipjax._validation import check_in_range, check_period, check_positive_int, require_params
 from gossipjax.algorithms._choco import _raw_key
 from gossipjax.algorithms._outer import (_check_outer_rates, _check_transform, _node_mask, _Participation, compact_mean,

@@ -16,7 +16,7 @@ from jax import lax
 from gossipjax.backend import Backend, simulate
 from gossipjax.backend._traffic import Traffic, counting
 from gossipjax._guard import check_guard, guard_finite, nonfinite_counts
-from gossipjax._nodes import check_finite, consensus_distance, init_nodes, node_mean
+from gossipjax._stacked import check_finite, consensus_distance, init_nodes, node_mean
 from gossipjax.data import Dataset, node_data, partition_by_class, partition_dirichlet, partition_iid, sample_batches
 from gossipjax.train._placement import Placement
 
