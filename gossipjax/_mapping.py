@@ -187,6 +187,8 @@ class _NodeMap:
       if name not in self.per_node_args:
         arrays[name], axes[name] = jax.tree.map(jnp.asarray, value), jax.tree.map(lambda _: None, value)
         continue
+      if isinstance(value, (list, tuple)) and all(np.ndim(v) == 0 for v in value):
+        value = jnp.asarray(value)  # a list of one entry per node, as the stacked transforms take it
       value = jax.tree.map(jnp.asarray, value)
       for path, x in jax.tree_util.tree_leaves_with_path(value):
         if not jnp.ndim(x) or jnp.shape(x)[0] != n:

@@ -217,3 +217,23 @@ def test_init_and_update_trace_the_one_node_transform_once():
   for g in grads:  # eagerly: one compiled program, reused
     _, state = tx.update(g, state, params)
   assert traces["update"] == 2
+
+
+def test_the_participation_mask_has_one_entry_per_node_in_both_forms():
+  params, grads = _params_grads(6, steps=4)
+  ups = [[True, False, True, True], [True, True, False, True], [False, True, True, True], [True] * N]
+  bare, mapped = gj.diloco(optax.sgd(0.1), inner_steps=2), gj.chain(gj.diloco(optax.sgd(0.1), inner_steps=2))
+  outs = []
+  for tx, as_list in ((bare, True), (mapped, True), (mapped, False)):
+    state, p, out = tx.init(params), params, []
+    for g, up in zip(grads, ups):
+      u, state = tx.update(g, state, p, up=up if as_list else jnp.asarray(up))
+      p = optax.apply_updates(p, u)
+      out.append(u)
+    outs.append(out)
+  for other in outs[1:]:
+    for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(outs[0])):
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+  with pytest.raises(ValueError, match=r"gj.chain: the extra argument up is one value per node, so it needs a "
+                                       r"leading axis of 4 \(shape \(4, \.\.\.\)\); got shape \(\)"):
+    mapped.update(grads[0], mapped.init(params), params, up=True)
