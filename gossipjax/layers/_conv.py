@@ -100,7 +100,7 @@ def conv_general_dilated(
   shifted = _shifted_conv(spec, _hashable(precision), preferred_element_type)
   if weight_grad == "shifted":
     return shifted(lhs, rhs)
-  return lax.platform_dependent(lhs, rhs, cuda=shifted, rocm=shifted, default=lambda l, r: xla(l, r))
+  return lax.platform_dependent(lhs, rhs, cuda=shifted, rocm=shifted, default=xla)
 
 
 def _spec(lhs_shape, rhs_shape, strides, padding, dimension_numbers):
