@@ -61,10 +61,18 @@ def conv_general_dilated(
   ``batch_group_count`` above 1, or an ``out_sharding``), this is exactly ``lax.conv_general_dilated``.
 
   Args:
-    lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers, feature_group_count,
-      batch_group_count, precision, preferred_element_type, out_sharding: as for
-      ``jax.lax.conv_general_dilated``: 1, 2 or 3 spatial dimensions, any dimension numbers, string
-      (``"SAME"``, ``"SAME_LOWER"``, ``"VALID"``) or explicit padding.
+    lhs: the input, with 1, 2 or 3 spatial dimensions.
+    rhs: the kernel.
+    window_strides: the strides, one per spatial dimension.
+    padding: ``"SAME"``, ``"SAME_LOWER"``, ``"VALID"`` or explicit ``(low, high)`` pairs.
+    lhs_dilation: as for ``jax.lax.conv_general_dilated``.
+    rhs_dilation: as for ``jax.lax.conv_general_dilated``.
+    dimension_numbers: any of ``jax.lax.conv_general_dilated``'s (``("NHWC", "HWIO", "NHWC")`` in flax).
+    feature_group_count: as for ``jax.lax.conv_general_dilated``.
+    batch_group_count: as for ``jax.lax.conv_general_dilated``.
+    precision: as for ``jax.lax.conv_general_dilated``; the shifted products take it too.
+    preferred_element_type: as for ``jax.lax.conv_general_dilated``; the shifted products accumulate in it.
+    out_sharding: as for ``jax.lax.conv_general_dilated``.
     weight_grad: ``"auto"`` (the default) chooses when the program is lowered: the shifted form on
       ``cuda`` and ``rocm``, XLA's on every other platform (on XLA:CPU the shifted form is not faster);
       ``"shifted"`` forces the shifted form, ``"xla"`` XLA's (``lax.conv_general_dilated`` itself).
