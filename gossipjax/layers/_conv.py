@@ -54,8 +54,11 @@ def conv_general_dilated(
 
   Forward mode works: the function is a ``jax.custom_jvp`` whose tangent is linear in both arguments, so
   ``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``, ``jax.hessian`` and higher derivatives go through it.
-  Low precision inputs (bfloat16, float16) accumulate each offset's product in float32
-  (``preferred_element_type``) and return the output's dtype; the weight gradient comes back in the kernel's dtype.
+  Low precision (bfloat16, float16 inputs without a ``preferred_element_type``): each offset's product is a 16-bit
+  matrix product, which a GPU's matrix units accumulate in float32, the sum over offsets is in float32, and the
+  weight gradient comes back in the kernel's dtype. (A float32 ``preferred_element_type`` on the products would
+  turn the weight gradient into a float32 x float32 product, the 16-bit operands cast up.) With a
+  ``preferred_element_type``, the products accumulate in it.
 
   Where there is no shifted form (``lhs_dilation`` or ``rhs_dilation`` other than 1, ``feature_group_count`` or
   ``batch_group_count`` above 1, or an ``out_sharding``), this is exactly ``lax.conv_general_dilated``.
@@ -167,9 +170,9 @@ def _kernel_tangent(lhs, rhs_dot, spec, precision, preferred_element_type, out_d
   ``dot_general`` of the shifted input against the cotangent contracting batch and space.
   """
   lhs_spec, rhs_spec, out_spec, strides, pads, kernel, out_sizes = spec
-  accumulate = preferred_element_type
-  if accumulate is None and jnp.dtype(lhs.dtype) in map(jnp.dtype, _LOW_PRECISION):
-    accumulate = jnp.float32
+  # Low precision: each product keeps the inputs' dtype, so that its transpose (the weight gradient) multiplies
+  # two 16-bit operands (the GPU's matrix units accumulate them in float32); the sum over offsets is in float32.
+  low = preferred_element_type is None and jnp.dtype(lhs.dtype) in map(jnp.dtype, _LOW_PRECISION)
   config = [(0, 0, 0)] * lhs.ndim
   for d, (lo, hi) in zip(lhs_spec[2:], pads):
     config[d] = (lo, hi, 0)
@@ -188,7 +191,8 @@ def _kernel_tangent(lhs, rhs_dot, spec, precision, preferred_element_type, out_d
       w_start[d], w_limit[d] = k, k + 1
     w = lax.squeeze(lax.slice(rhs_dot, w_start, w_limit), rhs_spec[2:])
     term = lax.dot_general(shifted, w, (((lhs_feature,), (w_in,)), ((), ())),
-                           precision=precision, preferred_element_type=accumulate)
+                           precision=precision, preferred_element_type=preferred_element_type)
+    term = term.astype(jnp.float32) if low else term
     total = term if total is None else total + term
   assert total is not None
   # total's dims: lhs's dims but its feature (batch and space, in lhs order), then the output feature.

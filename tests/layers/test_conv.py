@@ -137,7 +137,7 @@ def test_nnx_conv_takes_it_as_one_argument():
   np.testing.assert_allclose(grad(conv).kernel[...], grad(ref).kernel[...], rtol=0, atol=1e-12)
 
 
-def test_bfloat16_accumulates_in_float32_and_keeps_the_kernels_dtype():
+def test_bfloat16_keeps_the_kernels_dtype_within_its_rounding():
   x, w = _random((2, 8, 8, 16), 0), _random((3, 3, 16, 8), 1)
   kw = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
   ct = _random((2, 8, 8, 8), 2)
@@ -146,10 +146,18 @@ def test_bfloat16_accumulates_in_float32_and_keeps_the_kernels_dtype():
   gx, gw = grads(shifted, jnp.bfloat16)
   rx, rw = grads(lax.conv_general_dilated, jnp.float64)
   assert gx.dtype == gw.dtype == jnp.bfloat16
-  # inputs rounded to bfloat16 (8 bits), then a float32 sum: the error is the inputs' rounding, not the sum's
+  # inputs and result rounded to bfloat16 (8 bits): the error is the roundings', not a 16-bit sum's
   scale = float(jnp.max(jnp.abs(rw)))
-  assert float(jnp.max(jnp.abs(gw.astype(jnp.float64) - rw))) < 2 ** -6 * scale
+  error = float(jnp.max(jnp.abs(gw.astype(jnp.float64) - rw)))
+  xla_error = float(jnp.max(jnp.abs(grads(lax.conv_general_dilated, jnp.bfloat16)[1].astype(jnp.float64) - rw)))
+  assert error < 2 ** -6 * scale and error <= 2 * xla_error
   assert shifted(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), **kw).dtype == jnp.bfloat16
+  # On a GPU the weight gradient multiplies two bfloat16 operands, not float32 copies of them.
+  step = jax.jit(jax.vmap(jax.grad(lambda w, x: jnp.sum(gj.layers.conv_general_dilated(x, w, **kw).astype(
+      jnp.float32) ** 2))))
+  text = jax.export.export(step, platforms=["cuda"])(w[None].astype(jnp.bfloat16), x[None].astype(jnp.bfloat16))
+  dots = [line for line in text.mlir_module().splitlines() if "stablehlo.dot_general" in line]
+  assert len(dots) == 9 and all(re.search(r": \(tensor<[0-9x]+xbf16>, tensor<[0-9x]+xbf16>\)", d) for d in dots)
 
 
 def test_inside_the_sharded_backends_per_node_step():
