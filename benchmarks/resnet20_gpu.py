@@ -10,7 +10,8 @@ precision's ratio of torch's time to gossipjax's. functorch cannot vmap a BatchN
 statistics, so the torch model's BatchNorm uses each batch's statistics only (``track_running_stats=False``);
 gossipjax's keeps running statistics per node.
 
-Runs where ``jax.devices()[0].platform == "gpu"``, or anywhere with ``force=True``
+On a GPU both frameworks share the device: JAX takes 75% of its memory when it starts (its default), torch
+the rest. Runs where ``jax.devices()[0].platform == "gpu"``, or anywhere with ``force=True``
 (``python -m benchmarks --gpu``); elsewhere it records that no GPU was there. ``quick`` is a smoke run at a
 tiny size (2 nodes, a ResNet-6 of widths 4 and 8 on 8x8 images).
 """
