@@ -2,12 +2,14 @@
 
 import jax
 import numpy as np
+import pytest
 from jax import lax
 
 import gossipjax as gj
 from gossipjax import train
 
 
+@pytest.mark.slow
 def test_the_main_jobs_cnn_trains_to_the_same_numbers():
   cfg = train.RunConfig(algorithm="dmsgd", num_nodes=4, steps=6, log_every=3, batch_size=8, seed=3)
   digits = gj.data.load_digits()
