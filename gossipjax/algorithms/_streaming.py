@@ -14,12 +14,13 @@ from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._mapping import per_node
 from gossipjax._validation import check_in_range, check_period, check_positive_int, require_params
 from gossipjax.algorithms._choco import _raw_key
-from gossipjax.algorithms._outer import (_check_outer_rates, _check_transform, _node_mask, _Participation, compact_mean,
-                                         compress_nodes, select_nodes)
+from gossipjax.algorithms._compressed_mean import compress_with_feedback, mean_of_compressed
+from gossipjax.algorithms._outer_optimizer import check_outer_rates, check_transform
+from gossipjax.algorithms._participation import node_mask, participants, select_nodes
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, resolve_backend
 from gossipjax.mixing._contract import next_count
-from gossipjax.mixing._named import (node_average, node_fractions, node_index, node_shape, varies_over_nodes)
+from gossipjax.mixing._named import (node_average, node_index, node_shape, varies_over_nodes)
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -72,33 +73,6 @@ def fragments(leaves: list[Any], num_fragments: int) -> list[list[int]]:
       current = []
   groups.append(current)
   return groups
-
-
-def _compressed_mean(c: Compressor, backend: Backend, name: str, form: str, error_feedback: bool, pseudo_grads: list,
-                     residual: list, node_keys: jax.Array, index: Any, takes_part: _Participation | None = None
-                     ) -> tuple[list, list]:
-  """One fragment's pseudo-gradients compressed with error feedback; the mean of the decoded messages, the new residuals.
-
-  DiLoCo's compressed mean (see `gj.outer_optimizer`): ``"reduce_scatter"`` sends compressed
-  pieces (an all-to-all, then an all-gather of the compressed piece means), ``"all_gather"``
-  every node's compact message. Node i compresses with ``fold_in(key_i, index)``. With
-  ``takes_part`` only the participants send and update their residuals, and the mean is theirs.
-  """
-  sent = [g + e for g, e in zip(pseudo_grads, residual)] if error_feedback else list(pseudo_grads)
-  if takes_part is not None:
-    sent = takes_part.zero_others(sent)
-  keys = jnp.vectorize(lambda k: jax.random.fold_in(k, index), signature="(k)->(k)")(node_keys)
-  current = mapping()
-  first = 0 if current is not None else 1  # one node's shape: without the stacked node axis
-  one_node = [jax.ShapeDtypeStruct(tuple(x.shape[first:]), jnp.dtype(x.dtype)) for x in sent]
-  compact, q, chunks = compress_nodes(c, backend, name, sent, keys, one_node, form)
-  new_residual = [v - d for v, d in zip(sent, q)] if error_feedback else residual
-  if takes_part is not None and error_feedback:
-    new_residual = select_nodes(takes_part.mask, new_residual, residual)
-  mean = compact_mean(c, backend, name, compact, keys, one_node, chunks)
-  if current is None:
-    mean = follow_placement([jnp.broadcast_to(m, x.shape) for m, x in zip(mean, q)], q)
-  return (list(mean) if takes_part is None else takes_part.divide(list(mean))), list(new_residual)
 
 
 def streaming_diloco(
@@ -252,8 +226,8 @@ def streaming_diloco(
     Distributed Low-Communication Training of Language Models, arXiv:2311.08105.
   """
   name = "gj.streaming_diloco"
-  _check_transform(inner, name, "inner", "optax.adamw(4e-4)")
-  _check_outer_rates(outer_learning_rate, outer_momentum, name)
+  check_transform(inner, name, "inner", "optax.adamw(4e-4)")
+  check_outer_rates(outer_learning_rate, outer_momentum, name)
   num_fragments = check_positive_int(num_fragments, name, "num_fragments")
   period = check_period(inner_steps, name, "inner_steps")
   if not isinstance(period, int) or period < num_fragments:
@@ -310,7 +284,7 @@ def streaming_diloco(
     require_params(params, name)
     for fault_arg in ("loss_key", "loss_prob", "delivered"):  # gj.asynchrony.synchronous's, for gj.asynchrony.faulty_mix
       extra_args.pop(fault_arg, None)
-    up = None if up is None else _node_mask(up, params, name)
+    up = None if up is None else node_mask(up, params, name)
     inner_updates, inner_state = inner_pn.update(updates, state.inner_state, params, **extra_args)
     inner_updates = jax.tree.map(lambda u, x: u.astype(x.dtype), inner_updates, params)
     in_mapping = mapping() is not None
@@ -346,30 +320,22 @@ def streaming_diloco(
           if compressor is None:
             new_pend = [a - m for a, m in zip(phi, node_average(backend, th_p, name))]
           else:
-            new_pend, res = _compressed_mean(compressor, backend, name, compressed_mean, error_feedback,
-                                             [a - t for a, t in zip(phi, th_p)], res, state.key,
-                                             r * num_fragments + p)
+            sent = compress_with_feedback(compressor, backend, name, [a - t for a, t in zip(phi, th_p)], res,
+                                          state.key, r * num_fragments + p, error_feedback=error_feedback,
+                                          form=compressed_mean)
+            new_pend, res = mean_of_compressed(compressor, backend, name, sent), sent.residual
           return phi, new_pend, res, outer_state, steps + 1, syn, jnp.zeros_like(jnd) + r
         # DiLoCo's rule: the nodes that hold the fragment's last result take part; one that
         # missed an outer step of the fragment takes the participants' outer params and state.
-        current = syn == steps
-        frac_current, frac_ok, frac_stale = node_fractions(backend, (ok & current, ok, ok & ~current), name, dtype)
-        anyone_current = frac_current > 0
-        mask = ok & (current | ~anyone_current)  # nobody current (all held back alike): every live node
-        takes_part = _Participation(mask, jnp.where(anyone_current, frac_current, frac_ok), backend, name)
-        own_state = own_outer[p]
-        own = None if own_state is None else [True] * len(phi) + own_state
-
-        def rejoin(phi_and_state):
-          return select_nodes(ok & ~mask, takes_part.mean(phi_and_state, own), phi_and_state, own)
-
-        phi, outer_state = lax.cond(anyone_current & (frac_stale > 0), rejoin, lambda o: o, (phi, outer_state))
+        takes_part, phi, outer_state = participants(ok, syn, steps, phi, outer_state, own_outer[p], backend, name,
+                                                    dtype)
         if compressor is None:
           new_pend = [a - m for a, m in zip(phi, takes_part.mean(th_p))]
         else:
-          new_pend, res = _compressed_mean(compressor, backend, name, compressed_mean, error_feedback,
-                                           [a - t for a, t in zip(phi, th_p)], res, state.key,
-                                           r * num_fragments + p, takes_part)
+          sent = compress_with_feedback(compressor, backend, name, [a - t for a, t in zip(phi, th_p)], res,
+                                        state.key, r * num_fragments + p, error_feedback=error_feedback,
+                                        form=compressed_mean, takes_part=takes_part)
+          new_pend, res = mean_of_compressed(compressor, backend, name, sent, takes_part), sent.residual
         anyone = takes_part.frac > 0
         joins = ok & anyone
         return (phi, select_nodes(joins, new_pend, pend), res, outer_state, steps + anyone.astype(jnp.int32), syn,
