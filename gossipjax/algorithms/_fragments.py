@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from fractions import Fraction
 from typing import Any, NamedTuple, Sequence
 
 import jax.numpy as jnp
@@ -63,16 +64,22 @@ def balanced_cuts(sizes: Sequence[int], itemsizes: Sequence[int], num_fragments:
   """Where the float leaves, end to end, are cut into ``num_fragments`` ranges of about equal bytes.
 
   Returns the F + 1 boundaries as entry offsets into the concatenated leaves: cut k is the
-  entry boundary nearest to k/F of the total bytes, moved only as far as it takes for every
-  range to hold at least one entry.
+  entry boundary nearest to k/F of the total bytes (the later one on a tie), moved only as
+  far as it takes for every range to hold at least one entry. Exact integer arithmetic, in
+  O(F x leaves).
   """
-  entries = sum(sizes)
-  byte_at = np.concatenate([[0], np.cumsum(np.repeat(itemsizes, sizes))])  # bytes before each entry boundary
+  entries, total = sum(sizes), sum(s * b for s, b in zip(sizes, itemsizes))
   cuts = [0]
   for k in range(1, num_fragments):
-    target = k * byte_at[-1] / num_fragments
-    right = int(np.searchsorted(byte_at, target))
-    nearest = right if right == 0 or byte_at[right] - target <= target - byte_at[right - 1] else right - 1
+    target = Fraction(k * total, num_fragments)
+    start_bytes = start_entry = 0
+    for size, itemsize in zip(sizes, itemsizes):
+      if size and start_bytes + size * itemsize >= target:  # the leaf the target falls in
+        nearest = start_entry + math.floor((target - start_bytes) / itemsize + Fraction(1, 2))
+        break
+      start_bytes, start_entry = start_bytes + size * itemsize, start_entry + size
+    else:
+      nearest = entries
     cuts.append(min(max(nearest, cuts[-1] + 1), entries - (num_fragments - k)))
   return cuts + [entries]
 

@@ -23,7 +23,7 @@ from gossipjax.algorithms._participation import Participation, live_nodes, node_
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, resolve_backend
 from gossipjax.mixing._contract import next_count
-from gossipjax.mixing._named import (node_average, node_index, node_shape, varies_over_nodes)
+from gossipjax.mixing._named import node_average, node_index, node_shape, varies_over_nodes
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -62,21 +62,6 @@ class StreamingDiLoCoState(NamedTuple):
   joined: tuple = ()
 
   zeroes_skipped_nodes = True  # tells gj.guard_finite that a skipping node's update is zeroed before it is combined
-
-
-def fragments(leaves: list[Any], num_fragments: int) -> list[list[int]]:
-  """Splits leaf indices, in order, into ``num_fragments`` contiguous groups of about equal size."""
-  sizes = [int(jnp.size(x)) for x in leaves]
-  total, groups, current, filled = sum(sizes), [], [], 0
-  for i, size in enumerate(sizes):
-    current.append(i)
-    filled += size
-    left = num_fragments - len(groups) - 1
-    if left and (filled >= total * (len(groups) + 1) / num_fragments or len(sizes) - i - 1 == left):
-      groups.append(current)
-      current = []
-  groups.append(current)
-  return groups
 
 
 class _Step(NamedTuple):
