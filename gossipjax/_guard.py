@@ -144,9 +144,9 @@ def _bad_nodes(tree: Any, n: int | None) -> jax.Array:
 def _keep_old_for_bad(new: Any, old: Any, bad: jax.Array, n: int | None) -> Any:
   """Per-node leaves (leading axis n, numeric) of bad nodes go back to their old values.
 
-  For one node (``n`` is ``None``) its floating-point leaves and the integer leaves that
-  differ from node to node are kept, and the integer leaves every node holds alike (step
-  counts) advance.
+  For one node (``n`` is ``None``, inside ``gj.nodes``) every leaf is kept, its own step
+  counts included, but those its state classes declare one value for every node
+  (``shared_over_nodes``: the count that picks W(k)), which advance.
   """
   if n is None:
     # One node: all of its state (moments, trackers, its own step counts) is kept; the leaves
@@ -192,8 +192,10 @@ def guard_finite(inner: optax.GradientTransformation,
      computed with a zero gradient);
   3. its per-node state (every leaf of ``inner``'s state whose leading axis is the node
      axis: momentum, Adam moments, trackers) is kept as it was before the step, so the
-     skipped gradient leaves no trace. Scalar state (step counts) advances for every node,
-     so the schedule and the time-varying W(k) stay in step across nodes.
+     skipped gradient leaves no trace. Inside ``gj.chain`` / ``gj.nodes`` a node's whole
+     state is its own and is kept, its optimizer's step counts included; the counts that
+     gossipjax's states declare one value for every node (the schedule and the time-varying
+     W(k)) advance, so the nodes stay in step.
 
   The update ``inner`` returns is checked too, node by node: a NaN learning rate from a
   schedule, or a step that overflows, makes it non-finite from finite gradients. Such a

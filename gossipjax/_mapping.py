@@ -144,11 +144,11 @@ class _NodeMap:
     if mapping() is not None:
       return self.inner.init(params)
     params = _materialize(params)
-    n = _leading(params, self.where)
+    _leading(params, self.where)
     lay = self.layout(params)
     out_axes = jax.tree.unflatten(lay.treedef, [None if s else 0 for s in lay.shared])
     try:
-      state = self._run(self._init_one, (0,), out_axes, (params,), ("init", n))
+      state = self._run(self._init_one, (0,), out_axes, (params,), ("init", lay))
     except TypeError as e:
       raise TypeError(f"{self.where}: the state of this transform cannot be stacked over nodes "
                       f"({str(e).splitlines()[0]}); a transform mapped over nodes needs a state whose leaves are "
@@ -214,7 +214,7 @@ class _NodeMap:
     statics = tuple(sorted(static.items()))
     fn = functools.partial(self._update_one, statics)
     is_axis = lambda a: a is None
-    key = ("update", statics, jax.tree.structure(in_axes, is_leaf=is_axis),
+    key = ("update", statics, lay, jax.tree.structure(in_axes, is_leaf=is_axis),
            tuple(jax.tree.leaves(in_axes, is_leaf=is_axis)))
     return self._run(fn, in_axes, out_axes, (updates, state, params, arrays), key)
 

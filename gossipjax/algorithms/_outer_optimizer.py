@@ -53,6 +53,8 @@ class OuterState(NamedTuple):
       a node with ``synced < outer_steps`` missed an outer step and rejoins at the next one.
   """
 
+  shared_over_nodes = ("count", "outer_steps")  # the steps and outer steps every node holds alike
+
   count: jax.Array
   anchor: Any
   inner_state: Any
@@ -124,8 +126,8 @@ def outer_optimizer(
 
   **Partial participation.** ``update`` takes ``up`` (bool, one per node; what
   `gj.asynchrony.synchronous` passes under faults): a node that is down neither computes nor
-  changes (its params and its inner state's own leaves are kept; step counts every node
-  shares advance). An outer step is taken over the nodes that take part, the live ones:
+  changes (its params and its whole inner state, step counts included, are kept, as if the
+  node had paused). An outer step is taken over the nodes that take part, the live ones:
 
   * without a topology (DiLoCo), the mean is over the participants, as torchft's quorum
     takes it: :math:`\frac{1}{|P|}\sum_{j \in P}\theta_j`. Only a node that holds the last

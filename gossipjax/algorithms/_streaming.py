@@ -50,6 +50,8 @@ class StreamingDiLoCoState(NamedTuple):
       on the nodes that joined it and are live ``overlap`` steps later.
   """
 
+  shared_over_nodes = ("count", "outer_steps")  # the steps and outer steps every node holds alike
+
   count: jax.Array
   anchor: Any
   pending: Any
@@ -128,8 +130,8 @@ def streaming_diloco(
 
   **Partial participation.** ``update`` takes ``up`` (bool, one per node; the local block
   under MPI), as `diloco` does, with DiLoCo's rules applied fragment by fragment. A node
-  that is down neither computes nor changes: its params and its own inner-state leaves are
-  kept, and the step counts every node shares advance. At fragment p's sync step the mean
+  that is down neither computes nor changes: its params and its whole inner state, step
+  counts included, are kept. At fragment p's sync step the mean
   is over the live nodes that hold the fragment's last outer result (all live nodes where
   none does); a live node that missed one of the fragment's outer steps rejoins: it takes
   the participants' outer params and outer state of that fragment, so its outer step lands

@@ -37,13 +37,13 @@ def up_masks():
 
 
 class NumpyAdam:
-  """Adam whose moments are the node's own and whose step count t is shared (it advances while a node is down)."""
+  """One node's Adam: its moments and its step count t are its own (a node that is down keeps all three)."""
 
   def __init__(self):
-    self.m, self.v = np.zeros(D), np.zeros(D)
+    self.m, self.v, self.t = np.zeros(D), np.zeros(D), 0
 
-  def step(self, x, g, t):
-    self.t = t
+  def step(self, x, g):
+    self.t += 1
     self.m = 0.9 * self.m + 0.1 * g
     self.v = 0.999 * self.v + 0.001 * g * g
     return x - LR * (self.m / (1 - 0.9 ** self.t)) / (np.sqrt(self.v / (1 - 0.999 ** self.t)) + 1e-8)
@@ -60,7 +60,7 @@ def reference(a, b, x0, up, topo=None):
   synced, outer_steps, out = np.zeros(N, int), 0, []
   for k in range(STEPS):
     for i in np.flatnonzero(up[k]):
-      theta[i] = adam[i].step(theta[i], grad(a, b, theta[i], i), k + 1)
+      theta[i] = adam[i].step(theta[i], grad(a, b, theta[i], i))
     if k % H == H - 1:
       ok = up[k]
       if topo is None:

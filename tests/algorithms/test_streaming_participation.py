@@ -47,7 +47,7 @@ def up_masks():
 
 
 def reference(up, f=F, tau=TAU, alpha=ALPHA, wrong=False):
-  """Streaming DiLoCo with inner Adam (moments per node, step count shared) and nodes down.
+  """Streaming DiLoCo with inner Adam (moments and step count per node: a down node keeps them) and nodes down.
 
   ``wrong`` averages the down nodes' frozen params into each sync, as a method that ignored
   ``up`` in the mean would.
@@ -58,13 +58,15 @@ def reference(up, f=F, tau=TAU, alpha=ALPHA, wrong=False):
   groups = [[0], [1]] if f == 2 else [[0, 1]]
   sync_at = [(p + 1) * H // f - 1 for p in range(f)]
   synced, joined, outer_steps = np.zeros((f, N), int), -np.ones((f, N), int), np.zeros(f, int)
-  out = []
+  out, taken = [], np.zeros(N, int)
   for t in range(STEPS):
     ok = up[t]
     g = s * (theta - c)
     m[ok] = 0.9 * m[ok] + 0.1 * g[ok]
     v[ok] = 0.999 * v[ok] + 0.001 * g[ok] ** 2
-    step = (m / (1 - 0.9 ** (t + 1))) / (np.sqrt(v / (1 - 0.999 ** (t + 1))) + 1e-8)
+    taken[ok] += 1
+    k = np.maximum(taken, 1).reshape((N,) + (1,) * (m.ndim - 1))
+    step = (m / (1 - 0.9 ** k)) / (np.sqrt(v / (1 - 0.999 ** k)) + 1e-8)
     theta[ok] = theta[ok] - LR * step[ok]
     for p, grp in enumerate(groups):
       if t % H == sync_at[p]:
