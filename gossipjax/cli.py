@@ -212,7 +212,7 @@ def _check_args(args: argparse.Namespace) -> None:
                      "local models there (their consensus distance is 0 only at a round's end)\n")
   cadences: dict[int, list[str]] = {}
   for alg in args.algorithms:
-    cadences.setdefault(run_log_every(args.log_every, alg, args.inner_steps), []).append(alg)
+    cadences.setdefault(_run_log_every(args.log_every, alg, args.inner_steps), []).append(alg)
   if any(args.checkpoint_every % c for c in cadences):
     if len(cadences) == 1:
       fail(f"argument --checkpoint-every: {args.checkpoint_every} must be a multiple of --log-every ({next(iter(cadences))})")
@@ -235,9 +235,12 @@ def _check_args(args: argparse.Namespace) -> None:
     fail("argument --out: give a folder, not an empty string")
 
 
-def run_log_every(log_every: int | None, algorithm: str, inner_steps: int) -> int:
-  """A run's steps per metrics row: --log-every when given, else 25, or for an outer method the multiple of
-  --inner-steps nearest 25, so that its every row ends a round. One run's, whatever the job's other runs are."""
+def _run_log_every(log_every: int | None, algorithm: str, inner_steps: int) -> int:
+  """A run's steps per metrics row, whatever the job's other runs are.
+
+  --log-every when given; else 25, or for an outer method the multiple of --inner-steps
+  nearest 25, so that every row of its ends a round.
+  """
   if log_every is not None:
     return log_every
   if algorithm not in OUTER_ALGORITHMS:
@@ -256,7 +259,8 @@ def _claim_out(args: argparse.Namespace, folder) -> None:
 
   _refuse_foreign(args, folder)  # before the claim: a folder of the user's own gets no job.lock either
   folder.claim()
-  changed = folder.changed()  # under the lock: no job is writing them
+  _refuse_foreign(args, folder)  # again under the lock, where no other job is writing
+  changed = folder.changed()
   if changed:
     it, them = ("it", "is") if len(changed) == 1 else ("them", "are")
     raise UsageError(f"argument --out: {args.out} holds {', '.join(changed)}, which {them} not what its job wrote "
@@ -282,7 +286,7 @@ def _differs(option: str, then: dict, now: dict) -> bool:
   if option != "log_every" or then[option] == now[option]:
     return then[option] != now[option]
   try:
-    rows = lambda o: [run_log_every(o["log_every"], a, o["inner_steps"]) for a in o["algorithms"]]
+    rows = lambda o: [_run_log_every(o["log_every"], a, o["inner_steps"]) for a in o["algorithms"]]
     return then["algorithms"] != now["algorithms"] or rows(then) != rows(now)
   except (KeyError, TypeError):
     return True
@@ -427,7 +431,7 @@ def _build_runs(args: argparse.Namespace, backend):
       runs.append(RunConfig(algorithm=alg, topology=topo, num_nodes=args.nodes, steps=args.steps,
                             batch_size=args.batch_size, learning_rate=args.inner_lr if outer else args.lr,
                             beta=MOMENTUM.get(alg, args.beta), partition=args.partition, alpha=args.alpha,
-                            seed=args.seed, log_every=run_log_every(args.log_every, alg, args.inner_steps),
+                            seed=args.seed, log_every=_run_log_every(args.log_every, alg, args.inner_steps),
                             max_bad_steps=args.max_bad_steps,
                             model=args.model, backend=args.backend,
                             outer_momentum=_outer_momentum(args, alg) if outer else None))

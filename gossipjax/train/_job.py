@@ -245,7 +245,9 @@ class OutputFolder:
     new one after them, so that whenever the job is killed, what is on disk is what job.json
     says the job wrote.
     """
-    job = self._job() or {}
+    job = self._job()
+    record = job is not None  # a folder without a job.json (a caller of its own) records nothing
+    job = job or {}
     digests = job.get("digests")
     old: dict[str, list[str]] = digests if isinstance(digests, dict) else {}
     tmps = {name: os.path.join(self.path, name + ".tmp" + os.path.splitext(name)[1]) for name in writers}
@@ -254,10 +256,12 @@ class OutputFolder:
         write(tmps[name])
       new = {name: _sha256(tmp) for name, tmp in tmps.items()}
       job_json = os.path.join(self.path, "job.json")
-      write_json(job_json, {**job, "digests": {**old, **{k: sorted({*old.get(k, []), h}) for k, h in new.items()}}})
+      if record:
+        write_json(job_json, {**job, "digests": {**old, **{k: sorted({*old.get(k, []), h}) for k, h in new.items()}}})
       for name, tmp in tmps.items():
         os.replace(tmp, os.path.join(self.path, name))
-      write_json(job_json, {**job, "digests": {**old, **{k: [h] for k, h in new.items()}}})
+      if record:
+        write_json(job_json, {**job, "digests": {**old, **{k: [h] for k, h in new.items()}}})
     finally:
       for tmp in tmps.values():
         with contextlib.suppress(OSError):
