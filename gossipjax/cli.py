@@ -17,6 +17,19 @@ class _Parser(argparse.ArgumentParser):
     self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Each option's default said once: where its help says it, or as argparse shows it; none for flags and unset ones."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    text = action.help or ""
+    if "(default:" in text or action.default is None or action.default is False or not action.option_strings:
+      return text
+    if action.default is argparse.SUPPRESS:
+      return text
+    shown = ",".join(map(str, action.default)) if isinstance(action.default, list) else "%(default)s"
+    return f"{text} (default: {shown})"
+
+
 def _names(kind: str, allowed: Sequence[str]):
   """A comma-separated list of names, each one of ``allowed``."""
 
@@ -83,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
   p = _Parser(prog="gossipjax", description=__doc__)
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
   t = sub.add_parser("train", help="train a model on the bundled handwritten digits with n decentralized nodes",
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                     formatter_class=_HelpFormatter)
   t.add_argument("--backend", choices=["simulate", "sharded", "mpi"], default="simulate",
                  help="where the nodes live: all on one device, split over this host's devices "
                       "(shard_map + ppermute), or over MPI ranks (launch with `mpiexec -n K gossipjax train "
@@ -145,9 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--alpha", type=_real("a finite number > 0", 0.0, low_open=True), default=0.5,
                  help="Dirichlet label-skew concentration")
   t.add_argument("--log-every", type=_integer(1, "a positive integer"), default=None,
-                 help="steps per jitted chunk and metrics row, and a last row at --steps (default: 25; with diloco, "
-                      "noloco or streaming_diloco the multiple of --inner-steps nearest 25, so that every row falls "
-                      "at a round's end, after the outer step)")
+                 help="steps per jitted chunk and metrics row of each run, and a last row at --steps (default: 25; "
+                      "for the runs of diloco, noloco and streaming_diloco, the multiple of --inner-steps nearest 25, "
+                      "so that every row falls at a round's end, after the outer step; a run's numbers never depend "
+                      "on the job's other runs)")
   t.add_argument("--seed", type=_integer(0, "an integer in [0, 2**63)", high=2**63 - 1), default=0,
                  help="seeds the init, the partition and the batches")
   t.add_argument("--max-bad-steps", type=_integer(0, "a non-negative integer"), default=10,
@@ -166,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "bytes_sent: compact messages as sent, an all-reduce counted as a ring all-reduce sends it)")
   t.add_argument("--checkpoint-every", type=_integer(0, "a non-negative integer"), default=0,
                  help="save each run's full state in OUT/checkpoints every this many steps (a multiple of "
-                      "--log-every), for --resume; 0: never")
+                      "each run's --log-every), for --resume; 0: never")
   t.add_argument("--resume", action="store_true",
                  help="continue the job in --out: every run from its newest intact checkpoint in OUT/checkpoints "
                       "(bit-for-bit the same as an uninterrupted run, every metrics row once); runs without one "
@@ -196,14 +210,18 @@ def _check_args(args: argparse.Namespace) -> None:
   if outer and args.inner_steps > args.steps:
     fail(f"argument --inner-steps: {args.inner_steps} is more than --steps {args.steps}, so {', '.join(outer)} would "
          "never end a round (they communicate once every --inner-steps steps); give --inner-steps at most --steps")
-  if args.log_every is None:
-    args.log_every = _default_log_every(args.inner_steps if outer else None)
-  elif outer and args.log_every % args.inner_steps:
+  if args.log_every is not None and outer and args.log_every % args.inner_steps:
     sys.stderr.write(f"gossipjax train: warning: --log-every {args.log_every} is not a multiple of --inner-steps "
                      f"{args.inner_steps}: {', '.join(outer)}'s rows fall inside a round and measure the nodes' "
                      "local models there (their consensus distance is 0 only at a round's end)\n")
-  if args.checkpoint_every % args.log_every:
-    fail(f"argument --checkpoint-every: {args.checkpoint_every} must be a multiple of --log-every ({args.log_every})")
+  cadences: dict[int, list[str]] = {}
+  for alg in args.algorithms:
+    cadences.setdefault(_run_log_every(args.log_every, alg, args.inner_steps), []).append(alg)
+  if any(args.checkpoint_every % c for c in cadences):
+    if len(cadences) == 1:
+      fail(f"argument --checkpoint-every: {args.checkpoint_every} must be a multiple of --log-every ({next(iter(cadences))})")
+    each = "; ".join(f"{c} for {', '.join(algs)}" for c, algs in cadences.items())
+    fail(f"argument --checkpoint-every: {args.checkpoint_every} must be a multiple of each run's --log-every ({each})")
   if args.devices is not None and args.backend != "sharded":
     fail(f"argument --devices: only the sharded backend takes it, not --backend {args.backend}")
   if args.devices_per_node > 1 and args.backend != "sharded":
@@ -221,9 +239,15 @@ def _check_args(args: argparse.Namespace) -> None:
     fail("argument --out: give a folder, not an empty string")
 
 
-def _default_log_every(inner_steps: int | None) -> int:
-  """25 steps per row; with an outer method the multiple of --inner-steps nearest 25, so every row ends a round."""
-  if inner_steps is None:
+def _run_log_every(log_every: int | None, algorithm: str, inner_steps: int) -> int:
+  """A run's steps per metrics row, whatever the job's other runs are.
+
+  --log-every when given; else 25, or for an outer method the multiple of --inner-steps
+  nearest 25, so that every row of its ends a round.
+  """
+  if log_every is not None:
+    return log_every
+  if algorithm not in OUTER_ALGORITHMS:
     return 25
   return inner_steps * max(1, round(25 / inner_steps))
 
@@ -233,30 +257,47 @@ def _resume_options(args: argparse.Namespace) -> dict:
 
 
 def _claim_out(args: argparse.Namespace, folder) -> None:
-  """Takes the output folder for this job; refuses another job's folder, or a --resume with other options."""
-  from gossipjax.train._job import UsageError
+  """Takes the output folder for this job; refuses a folder with the user's own files in it, another job's folder
+  (unless --overwrite or --resume), and a --resume with other options."""
+  from gossipjax.train._job import UsageError, warn
 
-  if not args.resume:
-    _refuse_foreign(args, folder)  # before the claim: a folder of the user's own gets no job.lock either
+  _refuse_foreign(args, folder)  # before the claim: a folder of the user's own gets no job.lock either
   folder.claim()
+  _refuse_foreign(args, folder)  # again under the lock, where no other job is writing
+  changed = folder.changed()
+  if changed:
+    it, them = ("it", "is") if len(changed) == 1 else ("them", "are")
+    raise UsageError(f"argument --out: {args.out} holds {', '.join(changed)}, which {them} not what its job wrote "
+                     f"there (replaced since); move {it} out of the folder, or choose another --out")
   if args.resume:
-    then, now = folder.read_options(), _resume_options(args)
-    differ = [k for k in RESUME_OPTIONS if then and k in then and then[k] != now[k]]
+    then, now = folder.read_options() or {}, _resume_options(args)
+    if not then:  # a missing or empty folder: the first launch of a command that always says --resume
+      warn(f"argument --resume: {args.out} holds no job yet; starting one, every run from step 0")
+    differ = [k for k in RESUME_OPTIONS if k in then and _differs(k, then, now)]
     if differ and not args.allow_changed_options:
-      show = lambda v: ",".join(map(str, v)) if isinstance(v, list) else str(v)
+      show = lambda v: ",".join(map(str, v)) if isinstance(v, list) else "(default)" if v is None else str(v)
       was = ", ".join(f"--{k.replace('_', '-')} {show(then[k])}" for k in differ)
       asked = ", ".join(f"--{k.replace('_', '-')} {show(now[k])}" for k in differ)
       raise UsageError(f"argument --resume: the job in {args.out} was started with {was}, not {asked}; "
                        "pass the same options, or add --allow-changed-options to continue anyway")
-  else:
-    _refuse_foreign(args, folder)
-    if folder.outputs() and not args.overwrite:
-      raise UsageError(f"argument --out: {args.out} holds another job's {', '.join(folder.outputs())}; continue "
-                       "that job with --resume, choose another --out, or add --overwrite to remove them")
+  elif folder.outputs() and not args.overwrite:
+    raise UsageError(f"argument --out: {args.out} holds another job's {', '.join(folder.outputs())}; continue "
+                     "that job with --resume, choose another --out, or add --overwrite to remove them")
+
+
+def _differs(option: str, then: dict, now: dict) -> bool:
+  """Whether a resumed job's option differs from the job's; --log-every by the rows each run gets from it."""
+  if option != "log_every" or then[option] == now[option]:
+    return then[option] != now[option]
+  try:
+    rows = lambda o: [_run_log_every(o["log_every"], a, o["inner_steps"]) for a in o["algorithms"]]
+    return then["algorithms"] != now["algorithms"] or rows(then) != rows(now)
+  except (KeyError, TypeError):
+    return True
 
 
 def _refuse_foreign(args: argparse.Namespace, folder) -> None:
-  """A new job writes only into a folder of jobs' files: --overwrite removes what job.json records, nothing else."""
+  """A job writes only into a folder of jobs' files (new, --overwrite or --resume): nothing of the user's is touched."""
   from gossipjax.train._job import UsageError
 
   foreign = folder.foreign()
@@ -394,7 +435,8 @@ def _build_runs(args: argparse.Namespace, backend):
       runs.append(RunConfig(algorithm=alg, topology=topo, num_nodes=args.nodes, steps=args.steps,
                             batch_size=args.batch_size, learning_rate=args.inner_lr if outer else args.lr,
                             beta=MOMENTUM.get(alg, args.beta), partition=args.partition, alpha=args.alpha,
-                            seed=args.seed, log_every=args.log_every, max_bad_steps=args.max_bad_steps,
+                            seed=args.seed, log_every=_run_log_every(args.log_every, alg, args.inner_steps),
+                            max_bad_steps=args.max_bad_steps,
                             model=args.model, backend=args.backend,
                             outer_momentum=_outer_momentum(args, alg) if outer else None))
   txs, skipped = [], {}
@@ -468,7 +510,7 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
 
   from gossipjax.checkpoint import rank_directory
   from gossipjax.train import init_state, plot, result_table, timed_run, write_metrics
-  from gossipjax.train._job import JobError, RunCheckpoints, UsageError, run_folder
+  from gossipjax.train._job import JobError, OutputFolder, RunCheckpoints, UsageError, run_folder
 
   model = _make_model(args, dataset)
   results = {}
@@ -508,12 +550,13 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
   devices = placement.num_devices * args.devices_per_node  # every device the job uses, however they group
   config["devices"] = devices
   config["devices_per_node"] = args.devices_per_node
-  write_metrics(metrics_path, {**config, "skipped": skipped}, results)
   where = (f"{args.backend} on {devices} {placement.unit}" if devices > 1 else args.backend)
   if args.devices_per_node > 1:
     where += f", {args.devices_per_node} a node"
-  plot(plot_path, results, title=f"{args.nodes} nodes, {args.model} on digits, {args.partition} partition, "
-                                 f"{where} ({jax.default_backend()})", x=args.x_axis)
+  title = f"{args.nodes} nodes, {args.model} on digits, {args.partition} partition, {where} ({jax.default_backend()})"
+  OutputFolder(args.out).write_results({
+      "metrics.json": lambda path: write_metrics(path, {**config, "skipped": skipped}, results),
+      "plot.png": lambda path: plot(path, results, title=title, x=args.x_axis)})
   print(result_table(results))
   for name, reason in skipped.items():
     print(f"skipped {name}: {reason}")

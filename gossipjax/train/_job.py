@@ -2,7 +2,12 @@
 
 An output folder belongs to one job. The job holds ``job.lock`` (``flock``, released by the
 kernel when the process ends, kill -9 included) for its whole life, and the lock file names
-the holder, so a second job is refused with one line that says who holds it.
+the holder, so a second job is refused with one line that says who holds it. The job removes
+the lock file when it ends, however it ends (only kill -9 leaves it, for the next job to take).
+
+``job.json`` records every path the job writes, and the SHA-256 of each result file
+(`RESULT_FILES`) it wrote, so that a file a user has put in their place is never taken for
+the job's: such a folder is refused, and nothing in it is touched.
 
 Each run checkpoints into ``checkpoints/<run>/`` (under MPI, one ``rank_<k>/`` per rank):
 the training state through `gj.checkpoint` and the metrics rows in ``history.json``. The
@@ -15,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import json
 import logging
 import os
 import shutil
 import socket
 import sys
-from typing import Any
+from typing import Any, Callable
 
 try:
   import fcntl
@@ -31,6 +37,8 @@ except ImportError:  # Windows: no lock, the folder checks still apply
 #: What a job writes into its output folder besides each run's `run_folder`. ``job.json`` records every
 #: path the job writes, and ``--overwrite`` removes those and nothing else.
 JOB_FILES = ("job.json", "job.log", "metrics.json", "plot.png")
+#: The files a job replaces whole when it ends; ``job.json`` records the SHA-256 of what it wrote there.
+RESULT_FILES = ("metrics.json", "plot.png")
 #: What a job of an earlier version wrote; its ``job.json`` records no paths.
 EARLIER_JOB_FILES = ("job.json", "metrics.json", "plot.png", "checkpoints")
 LOCK = "job.lock"
@@ -75,6 +83,7 @@ class OutputFolder:
   def __init__(self, path: str):
     self.path = path
     self._fd: int | None = None
+    self._created = False
 
   def claim(self) -> None:
     """Creates the folder if needed and takes its lock; `UsageError` names the job that holds it."""
@@ -82,43 +91,63 @@ class OutputFolder:
       raise UsageError("argument --out: give a folder, not an empty string")
     if os.path.exists(self.path) and not os.path.isdir(self.path):
       raise UsageError(f"argument --out: {self.path} is a file, not a folder")
-    try:
-      os.makedirs(self.path, exist_ok=True)
-      fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-      raise UsageError(f"argument --out: cannot use {self.path} as the output folder: {e.strerror or e}") from None
-    if fcntl is not None:
+    lock = os.path.join(self.path, LOCK)
+    created = not os.path.isdir(self.path)
+    while True:
       try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      except BlockingIOError:
-        holder = os.read(fd, 4096).decode(errors="replace").strip() or "another job"
-        os.close(fd)
-        raise UsageError(f"argument --out: {self.path} is in use by {holder}; wait for it to end or choose "
-                         "another --out") from None
-      except OSError:
-        pass  # a file system without flock: run unlocked rather than not at all
+        os.makedirs(self.path, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+      except OSError as e:
+        raise UsageError(f"argument --out: cannot use {self.path} as the output folder: {e.strerror or e}") from None
+      if fcntl is not None:
+        try:
+          fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+          holder = os.read(fd, 4096).decode(errors="replace").strip() or "another job"
+          os.close(fd)
+          raise UsageError(f"argument --out: {self.path} is in use by {holder}; wait for it to end or choose "
+                           "another --out") from None
+        except OSError:
+          pass  # a file system without flock: run unlocked rather than not at all
+      if _same_file(fd, lock):
+        break
+      os.close(fd)  # the job before us removed the file we opened after we opened it: lock the one that is there
     started = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"the job of pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode(), 0)
-    self._fd = fd
+    os.pwrite(fd, _LOCK_HEAD + f"{os.getpid()} on {socket.gethostname()}, started {started}\n".encode(), 0)
+    self._fd, self._created = fd, created
 
   def release(self) -> None:
-    """Gives the lock back (the lock file stays: removing it would let two jobs lock two files)."""
+    """Removes the lock file and gives the lock back, and the folder when `claim` made it and it is left empty.
+
+    The file is removed while it is locked, and `claim` locks only the file that is at the path
+    when it holds the lock, so two jobs never hold two lock files of one folder.
+    """
     if self._fd is not None:
+      with contextlib.suppress(OSError):
+        os.remove(os.path.join(self.path, LOCK))
       os.close(self._fd)
       self._fd = None
+      if self._created:
+        with contextlib.suppress(OSError):
+          os.rmdir(self.path)  # only where it is empty: a job that refused to start leaves no folder behind
+
+  def _job(self) -> dict[str, Any] | None:
+    """job.json as a dict, or ``None`` where there is none that reads as one."""
+    try:
+      with open(os.path.join(self.path, "job.json")) as f:
+        job = json.load(f)
+    except (OSError, ValueError):
+      return None
+    return job if isinstance(job, dict) else None
 
   def recorded(self) -> list[str] | None:
     """The paths that the folder's job recorded in job.json as its own; ``None`` without such a record.
 
     A job.json of an earlier version, which records no paths, stands for `EARLIER_JOB_FILES`.
     """
-    try:
-      with open(os.path.join(self.path, "job.json")) as f:
-        options = json.load(f)
-    except (OSError, ValueError):
-      return None
-    if not isinstance(options, dict):
+    options = self._job()
+    if options is None:
       return None
     files = options.get("files")
     if isinstance(files, list) and all(isinstance(p, str) and p and ".." not in p.split("/") for p in files):
@@ -136,13 +165,14 @@ class OutputFolder:
     if not os.path.isdir(self.path):
       return []
     recorded = self.recorded() or []
-    ours = lambda rel: rel in recorded or any(rel.startswith(p + ".tmp") for p in recorded)
+    temporary = recorded + ["job.json"]  # job.json.tmp: the first write of a job.json, killed
+    ours = lambda rel: rel in recorded or any(rel.startswith(p + ".tmp") for p in temporary)
     found: list[str] = []
 
     def walk(rel: str) -> None:
       for name in sorted(os.listdir(os.path.join(self.path, rel))):
         child = f"{rel}/{name}" if rel else name
-        if child == LOCK or ours(child):
+        if (child == LOCK and _is_lock_file(os.path.join(self.path, LOCK))) or ours(child):
           continue
         if any(p.startswith(child + "/") for p in recorded) and os.path.isdir(os.path.join(self.path, child)):
           walk(child)  # a folder (checkpoints/) that holds recorded paths: what else is in it?
@@ -150,6 +180,24 @@ class OutputFolder:
           found.append(child)
 
     walk("")
+    return found
+
+  def changed(self) -> list[str]:
+    """The folder's result files (`RESULT_FILES`) that do not hold what its job wrote: a user's file put there.
+
+    A job.json of an earlier version records no SHA-256: its files are taken as its job's.
+    """
+    job = self._job()
+    digests = job.get("digests") if job is not None else None
+    if not isinstance(digests, dict):
+      return []
+    recorded = self.recorded() or []
+    found = []
+    for name in RESULT_FILES:
+      path = os.path.join(self.path, name)
+      if name in recorded and os.path.lexists(path):
+        if os.path.islink(path) or not os.path.isfile(path) or _sha256(path) not in digests.get(name, []):
+          found.append(name)
     return found
 
   def clear(self) -> None:
@@ -180,9 +228,74 @@ class OutputFolder:
       raise JobError(f"{path} is unreadable ({e}): the folder's job cannot be checked; choose another --out") from None
 
   def write_options(self, options: dict[str, Any], files: list[str]) -> None:
-    """Records the job's options and every path it writes (with those an earlier job of the folder recorded)."""
+    """Records the job's options and every path it writes (with those an earlier job of the folder recorded).
+
+    The result files there now are the job's (`foreign` and `changed` found nothing else): their
+    SHA-256 are recorded with them.
+    """
     files = sorted(set(self.recorded() or []) | set(files) | {"job.json"})
-    write_json(os.path.join(self.path, "job.json"), {**options, "files": files})
+    digests = {name: [_sha256(os.path.join(self.path, name))] for name in RESULT_FILES
+               if os.path.isfile(os.path.join(self.path, name))}
+    write_json(os.path.join(self.path, "job.json"), {**options, "files": files, "digests": digests})
+
+  def write_results(self, writers: dict[str, Callable[[str], None]]) -> None:
+    """Writes the result files, each by ``writers[name](path)`` into a temporary file renamed over it.
+
+    job.json accepts the new SHA-256 beside the old one before the renames and keeps only the
+    new one after them, so that whenever the job is killed, what is on disk is what job.json
+    says the job wrote.
+    """
+    job = self._job()
+    record = job is not None  # a folder without a job.json (a caller of its own) records nothing
+    job = job or {}
+    digests = job.get("digests")
+    old: dict[str, list[str]] = digests if isinstance(digests, dict) else {}
+    tmps = {name: os.path.join(self.path, name + ".tmp" + os.path.splitext(name)[1]) for name in writers}
+    try:
+      for name, write in writers.items():
+        write(tmps[name])
+      new = {name: _sha256(tmp) for name, tmp in tmps.items()}
+      job_json = os.path.join(self.path, "job.json")
+      if record:
+        write_json(job_json, {**job, "digests": {**old, **{k: sorted({*old.get(k, []), h}) for k, h in new.items()}}})
+      for name, tmp in tmps.items():
+        os.replace(tmp, os.path.join(self.path, name))
+      if record:
+        write_json(job_json, {**job, "digests": {**old, **{k: [h] for k, h in new.items()}}})
+    finally:
+      for tmp in tmps.values():
+        with contextlib.suppress(OSError):
+          os.remove(tmp)
+
+
+def _same_file(fd: int, path: str) -> bool:
+  """Whether the open file ``fd`` is the file at ``path``."""
+  try:
+    here, there = os.fstat(fd), os.stat(path)
+  except OSError:
+    return False
+  return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+_LOCK_HEAD = b"the job of pid "
+
+
+def _is_lock_file(path: str) -> bool:
+  """Whether ``path`` is a job's lock file (what `OutputFolder.claim` writes there), not a user's file of that name."""
+  try:
+    with open(path, "rb") as f:
+      head = f.read(len(_LOCK_HEAD))
+  except OSError:
+    return False
+  return _LOCK_HEAD.startswith(head)  # empty, or a line claim began to write
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
 
 
 def write_json(path: str, value: Any) -> None:

@@ -1,6 +1,7 @@
 import argparse
 import json
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -64,6 +65,8 @@ BAD_OPTIONS = [
     (["--algorithms", "streaming_diloco", "--inner-steps", "10", "--fragments", "5"], "argument --fragments: 5 "
      "fragments, but the mlp's params have 4 leaves"),
     (["--mixing", "1.5"], "argument --mixing: 1.5 is out of range; it must be a number in [0, 1]"),
+    (["--algorithms", "dmsgd,diloco", "--checkpoint-every", "50"], "argument --checkpoint-every: 50 must be a "
+     "multiple of each run's --log-every (25 for dmsgd; 20 for diloco)"),
 ]
 
 
@@ -192,10 +195,11 @@ def test_outer_methods_log_at_round_ends_with_their_own_rate_and_a_last_row_at_s
   assert (run["config"]["learning_rate"], run["config"]["outer_momentum"]) == (3e-3, 0.9)
   args = cli.build_parser().parse_args(["train", "--algorithms", "noloco,dmsgd", "--inner-steps", "10"])
   cli._check_args(args)
-  assert args.log_every == 20 and "warning" not in capsys.readouterr().err  # the multiple of 10 nearest 25
+  assert "warning" not in capsys.readouterr().err
   runs, _, _ = cli._build_runs(args, gj.backend.simulate())
-  assert [(r.name, r.learning_rate, r.outer_momentum) for r in runs][:2] == [("noloco/random_pairs", 3e-3, 0.5),
-                                                                            ("dmsgd/ring", 0.1, None)]
+  # noloco's rows every multiple of 10 nearest 25; dmsgd's every 25, as in a job of its own
+  assert [(r.name, r.log_every, r.learning_rate, r.outer_momentum) for r in runs][:2] == [
+      ("noloco/random_pairs", 20, 3e-3, 0.5), ("dmsgd/ring", 25, 0.1, None)]
   cli._check_args(cli.build_parser().parse_args(["train", "--algorithms", "diloco", "--log-every", "25"]))
   assert "--log-every 25 is not a multiple of --inner-steps 10" in capsys.readouterr().err
 
@@ -217,3 +221,31 @@ def test_streaming_diloco_sends_one_fragment_at_a_time_and_a_model_a_round(tmp_p
   config = runs["streaming_diloco"]["config"]
   assert (config["learning_rate"], config["outer_momentum"]) == (3e-3, 0.9)
   assert runs["streaming_diloco"]["history"][-1]["consensus_distance"] > 1e-6  # alpha = 0.5 keeps local params
+
+
+@pytest.mark.slow
+def test_a_runs_numbers_do_not_depend_on_the_other_runs_of_its_job(tmp_path):
+  common = ["train", "--steps", "25", "--nodes", "2", "--batch-size", "4", "--no-progress", "--topologies", "ring"]
+  cli.main(common + ["--algorithms", "dmsgd", "--out", str(tmp_path / "alone")])
+  cli.main(common + ["--algorithms", "dmsgd,diloco", "--out", str(tmp_path / "with_diloco")])
+  alone = json.loads((tmp_path / "alone" / "metrics.json").read_text())["runs"]
+  with_diloco = json.loads((tmp_path / "with_diloco" / "metrics.json").read_text())["runs"]
+  assert [h["step"] for h in with_diloco["diloco"]["history"]] == [20, 25]  # its rows end its rounds of 10 steps
+  assert [h["step"] for h in alone["dmsgd/ring"]["history"]] == [25]
+  assert with_diloco["dmsgd/ring"]["history"] == alone["dmsgd/ring"]["history"]  # equal as floats
+  assert with_diloco["dmsgd/ring"]["config"] == alone["dmsgd/ring"]["config"]
+
+
+def test_help_says_each_default_once(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["train", "--help"])
+  assert exit_.value.code == 0
+  text = capsys.readouterr().out
+  options = [" ".join(block.split()) for block in re.split(r"\n  (?=-)", text.split("\noptions:\n")[1])]
+  assert len(options) > 30
+  for option in options:
+    assert option.count("default:") <= 1 and "(default: None)" not in option and "(default: False)" not in option, \
+        option
+  shown = " ".join(text.split())
+  assert "(default: allreduce,dpsgd,dmsgd,decentlam)" in shown and "(default: 500)" in shown
+  assert "(default: 0)" in shown  # a default of 0 is shown: --checkpoint-every

@@ -1,7 +1,9 @@
 """``gossipjax train``'s output folder belongs to one job, and --resume continues that job or says why not."""
 
+import hashlib
 import json
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -224,3 +226,138 @@ def test_resume_refuses_changed_options_unless_allowed(checkpointed, tmp_path, c
 def test_metrics_record_the_momentum_each_run_uses(checkpointed):
   config = json.loads((checkpointed[0] / "metrics.json").read_text())["runs"]["dpsgd/ring"]["config"]
   assert config["beta"] == 0.0
+
+
+def _files(folder):
+  """Every path under ``folder``: a file with the SHA-256 of its bytes, a folder as such."""
+  return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+          for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture
+def refused_first(monkeypatch):
+  """The job must be refused before it builds a run (and so before anything is trained or compiled)."""
+  monkeypatch.setattr(cli, "_build_runs", lambda *args: pytest.fail("the job went on past the folder's refusal"))
+
+
+@pytest.mark.parametrize("mode", [["--resume"], ["--overwrite"], []], ids=["resume", "overwrite", "new"])
+def test_a_folder_of_the_users_own_results_is_refused_and_left_as_it_was(tmp_path, capsys, refused_first, mode):
+  (tmp_path / "metrics.json").write_text('{"my": "own results"}')
+  (tmp_path / "plot.png").write_bytes(b"\x89PNG my own figure")
+  before = _files(tmp_path)
+  err = _fails(TINY + ["--steps", "5", "--out", str(tmp_path)] + mode, capsys, 2)
+  assert f"argument --out: {tmp_path} holds metrics.json, plot.png, which no gossipjax job recorded writing; " \
+         "choose a new or empty --out" in err
+  assert _files(tmp_path) == before  # the same bytes, and no job.lock or job.json beside them
+
+
+def test_resume_refuses_a_jobs_folder_that_also_holds_the_users_files(checkpointed, tmp_path, capsys, refused_first):
+  out, _ = _copy(checkpointed, tmp_path)
+  (out / "notes.txt").write_text("what I changed")
+  (out / "checkpoints" / "mine.pt").write_bytes(b"my own model")
+  before = _files(out)
+  err = _fails(TINY + ["--steps", "20", "--out", str(out), "--resume"], capsys, 2)
+  assert f"argument --out: {out} holds checkpoints/mine.pt, notes.txt, which no gossipjax job recorded writing" in err
+  assert _files(out) == before
+
+
+@pytest.mark.parametrize("mode", [["--resume"], ["--overwrite"]], ids=["resume", "overwrite"])
+def test_a_result_file_the_user_put_in_place_of_the_jobs_is_refused_and_kept(checkpointed, tmp_path, capsys,
+                                                                            refused_first, mode):
+  out, _ = _copy(checkpointed, tmp_path)
+  (out / "plot.png").write_bytes(b"\x89PNG the figure I edited")
+  before = _files(out)
+  err = _fails(TINY + ["--steps", "20", "--out", str(out)] + mode, capsys, 2)
+  assert f"argument --out: {out} holds plot.png, which is not what its job wrote there (replaced since); move it " \
+         "out of the folder, or choose another --out" in err
+  assert _files(out) == before
+
+
+def test_result_files_are_the_jobs_whenever_their_writing_is_killed(tmp_path, monkeypatch):
+  folder = _job.OutputFolder(str(tmp_path))
+  folder.write_options({}, list(_job.JOB_FILES))
+  write = lambda text: lambda path: pathlib.Path(path).write_text(text)
+  folder.write_results({"metrics.json": write("rows 1"), "plot.png": write("figure 1")})
+  assert folder.changed() == []
+  replace = os.replace
+
+  def killed_before_the_plot(src, dst):
+    if dst.endswith("plot.png"):
+      raise KeyboardInterrupt
+    replace(src, dst)
+
+  monkeypatch.setattr(os, "replace", killed_before_the_plot)
+  with pytest.raises(KeyboardInterrupt):
+    folder.write_results({"metrics.json": write("rows 2"), "plot.png": write("figure 2")})
+  monkeypatch.undo()
+  assert (tmp_path / "metrics.json").read_text() == "rows 2" and (tmp_path / "plot.png").read_text() == "figure 1"
+  assert folder.changed() == [] and folder.foreign() == []  # either version is the job's, and no temporary is left
+  (tmp_path / "plot.png").write_text("the user's figure")
+  assert folder.changed() == ["plot.png"]
+
+
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_resume_where_no_job_is_starts_one_and_says_so(tmp_path, capsys, no_training, where):
+  out = tmp_path / "out"
+  if where == "empty":
+    out.mkdir()
+  cli.main(TINY + ["--steps", "5", "--out", str(out), "--resume"])
+  assert capsys.readouterr().err == (f"gossipjax train: warning: argument --resume: {out} holds no job yet; starting "
+                                     "one, every run from step 0\n")
+  assert no_training == [str(out)] and sorted(p.name for p in out.iterdir()) == ["job.json"]
+  assert json.loads((out / "job.json").read_text())["files"] == ["checkpoints/dpsgd__ring", "job.json", "job.log",
+                                                                 "metrics.json", "plot.png"]
+
+
+@pytest.mark.parametrize("end", ["success", "error", "interrupt", "refusal"])
+def test_the_job_removes_its_lock_however_it_ends(tmp_path, capsys, monkeypatch, end):
+  out = tmp_path / "out"
+
+  def train_runs(args, *rest):
+    assert (out / "job.lock").read_text().startswith(f"the job of pid {os.getpid()} on ")  # held while it runs
+    if end == "error":
+      raise _job.JobError("a disk is full")
+    if end == "interrupt":
+      raise KeyboardInterrupt
+    return {}
+
+  monkeypatch.setattr(cli, "_train_runs", train_runs)
+  argv = TINY + ["--steps", "5", "--out", str(out)]
+  if end == "success":
+    cli.main(argv)
+  elif end == "interrupt":
+    with pytest.raises(KeyboardInterrupt):
+      cli.main(argv)
+  else:  # refused once the folder is claimed, where the runs are built: no hypercube has 6 nodes
+    _fails(argv + (["--topologies", "hypercube", "--nodes", "6"] if end == "refusal" else []), capsys,
+           2 if end == "refusal" else 1)
+  assert not (out / "job.lock").exists()
+  if end == "refusal":
+    assert not out.exists()  # a job that never began leaves no folder it made
+  else:
+    assert (out / "job.json").is_file()
+
+
+def test_a_lock_file_removed_while_a_job_opened_it_is_not_taken_for_the_folders(tmp_path, capsys, monkeypatch):
+  lock = str(tmp_path / "job.lock")
+  opened = []
+
+  def open_then_removed(path, flags, mode=0o777):
+    fd = real_open(path, flags, mode)
+    if path == lock and not opened:
+      opened.append(fd)
+      os.remove(path)  # the job that held it ended meanwhile, removing it
+    return fd
+
+  real_open = os.open
+  first = _job.OutputFolder(str(tmp_path))
+  monkeypatch.setattr(os, "open", open_then_removed)
+  first.claim()
+  monkeypatch.undo()
+  try:
+    assert opened and os.path.exists(lock)  # it locked the file that is there, not the removed one
+    with pytest.raises(_job.UsageError, match="is in use by the job of pid"):
+      _job.OutputFolder(str(tmp_path)).claim()
+  finally:
+    first.release()
+  assert not os.path.exists(lock)
