@@ -11,6 +11,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from gossipjax._axis import AXIS, Mapping, mapped, mapping
+from gossipjax.backend._base import mesh_of_explicit
 from gossipjax.backend._sharded import conform, leaf_spec
 from gossipjax.mixing import follow_placement, resolve_backend
 from gossipjax.mixing._named import varies_over_nodes
@@ -127,7 +128,7 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
 
     return tuple(jax.tree.map(put, a, arg, is_leaf=lambda v: v is None) for a, arg in zip(in_axes, args))
 
-  def run(fn, in_axes, out_axes, args, n):
+  def run(fn, in_axes, out_axes, args, n) -> Any:
     def one(index, *a):
       with mapped(Mapping(backend, n, where, index)):
         return fn(*a)
@@ -149,10 +150,9 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
     jitted = compiled.get(key)
     if jitted is None:
       jitted = compiled[key] = jax.jit(call)
-    if mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types:
-      with jax.set_mesh(mesh):
-        return jitted(index, *args)
-    return jitted(index, *args)
+    with mesh_of_explicit(mesh, args):
+      out = jitted(index, *args)
+    return out
 
   def flags_of(fn, in_axes, args, n, part=lambda out: out):
     """Which leaves of ``part(fn(...))`` vary over the nodes (traced once, abstractly)."""
