@@ -183,7 +183,7 @@ def nonfinite_nodes(tree: Any) -> np.ndarray:
   for _, x in _node_leaves(tree, "gj.nonfinite_nodes"):
     if not _is_float(x):
       continue
-    b = ~jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
+    b = ~jnp.isfinite(x).all(axis=tuple(range(1, x.ndim)))  # a reduction, not a reshape: a leaf may be model-split
     bad = b if bad is None else bad | b
   return np.flatnonzero(np.asarray(bad)) if bad is not None else np.array([], int)
 
