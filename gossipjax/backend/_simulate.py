@@ -111,8 +111,11 @@ class SimulateMixer:
     note_gossip(self.topology, tree, step, wire, 0)  # the compact form is what would cross
     del wire  # every node is here: the dense rows are mixed, and a compact form has nothing to cross
     warn_if_placed(tree, self.topology.name)
-    # Params placed on an Explicit mesh: the rolls along the node axis are left to the compiler.
-    return auto_where_explicit(lambda t: self._mix(t, step), tree, lambda specs: specs)
+    # Params placed on an Explicit mesh: the rolls along the node axis are left to the compiler
+    # (a traced step goes in as an argument, typed for the compiler's context).
+    if isinstance(step, (int, np.integer)):
+      return auto_where_explicit(lambda t: self._mix(t, step), tree, lambda specs: specs)
+    return auto_where_explicit(lambda a: self._mix(*a), (tree, step), lambda specs: specs[0])
 
   def _mix(self, tree: Any, step: jax.Array | int) -> Any:
     plans = self.topology.plans()
