@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gossipjax._axis import mapping
+from gossipjax._axis import mapping, shared_leaves
 from gossipjax.backend._base import follow_placement
-from gossipjax.mixing._named import varies_over_nodes
 
 
 class GuardFiniteState(NamedTuple):
@@ -23,6 +22,8 @@ class GuardFiniteState(NamedTuple):
     consecutive: int32 (nodes,), how many steps in a row each node has skipped, up to now.
     max_consecutive: int32 scalar, the streak at which `check_guard` raises (0: never).
   """
+
+  shared_over_nodes = ("max_consecutive",)  # the streak limit, the same for every node
 
   inner_state: Any
   nonfinite_count: jax.Array
@@ -148,17 +149,16 @@ def _keep_old_for_bad(new: Any, old: Any, bad: jax.Array, n: int | None) -> Any:
   counts) advance.
   """
   if n is None:
-    # One node: its floating-point state (moments, trackers) and its own integer state (an
-    # outer round it took part in) are kept; the shared step counts, which pick W(k), advance.
+    # One node: all of its state (moments, trackers, its own step counts) is kept; the leaves
+    # its state classes declare one value for every node (the count that picks W(k)) advance.
     leaves, treedef = jax.tree.flatten(new)
-    own = varies_over_nodes(leaves, unknown=False)  # unknown inside a cond: integers advance
+    shared = shared_leaves(new)
 
-    def pick_one(a, b, own):
-      keep = (jnp.issubdtype(a.dtype, jnp.inexact) or (own and jnp.issubdtype(a.dtype, jnp.integer))) \
-          and jnp.shape(a) == jnp.shape(b)
+    def pick_one(a, b, shared):
+      keep = not shared and jnp.shape(a) == jnp.shape(b) and not jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
       return jnp.where(bad, b, a) if keep else a
 
-    return jax.tree.unflatten(treedef, [pick_one(a, b, f) for a, b, f in zip(leaves, treedef.flatten_up_to(old), own)])
+    return jax.tree.unflatten(treedef, [pick_one(a, b, f) for a, b, f in zip(leaves, treedef.flatten_up_to(old), shared)])
 
   def pick(a, b):
     if (isinstance(a, jax.Array) and a.ndim >= 1 and a.shape[0] == n and a.shape == jnp.shape(b)

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from gossipjax._axis import AXIS, Mapping, mapped, mapping
+from gossipjax._axis import NodeAxis, mapped, mapping, settle_shared, shared_leaves
 from gossipjax.backend._base import mesh_of_explicit
 from gossipjax.backend._sharded import conform, leaf_spec
 from gossipjax.mixing import follow_placement, resolve_backend
-from gossipjax.mixing._named import varies_over_nodes
+
 
 def _leading(tree: Any, where: str) -> int:
   """The node count of a node-stacked tree (its leaves' common leading axis)."""
@@ -48,193 +51,175 @@ def _mesh_of(backend: Any) -> Any:
   return mesh if isinstance(mesh, jax.sharding.Mesh) else None
 
 
-def _axes(flags: list[bool], treedef: Any) -> Any:
-  return jax.tree.unflatten(treedef, [0 if f else None for f in flags])
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
 
 
-def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
-          where: str = "gj.nodes") -> optax.GradientTransformationExtraArgs:
-  """Maps a one-node optax transform over node-stacked trees, with the node axis named ``"nodes"``.
+# The extra arguments of gossipjax's own transforms that carry one value per node.
+_PER_NODE_EXTRAS = frozenset({"up", "skip_nodes"})
 
-  ``tx`` is written for one node: any optax transform or combinator (``optax.chain``,
-  ``masked``, ``inject_hyperparams``, ``MultiSteps``, ``apply_if_finite``, ...) around or
-  inside gossipjax's own. Communication is a collective over the axis ``"nodes"``: inside
-  the mapping `gj.mix` and the methods' gossip rounds exchange with the neighbours, and the
-  all-reduce methods take the mean over all nodes. Everything else runs on each node alone,
-  so ``clip_by_global_norm`` clips each node by its own norm and ``apply_if_finite`` skips
-  only the node whose gradient is NaN.
 
-  The mapped transform takes and returns stacked trees (a leading node axis on every leaf),
-  as every gossipjax transform does. Its state stacks what differs from node to node
-  (moments, trackers) on the node axis and keeps what every node holds alike (a step count,
-  an injected hyperparameter) as one value, as optax's own state would be. A value given to
-  ``optax.tree_utils.tree_set`` may be a scalar (every node takes it) or have shape (n,)
-  (one per node); extra arguments of ``update`` with a leading axis of n are per node, the
-  rest shared.
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """What `init` decides once for params of one structure: the state's structure and its shared leaves."""
 
-  How the nodes are mapped: ``jax.vmap(..., axis_name="nodes")`` over the arrays the
-  backend's transforms see (all n nodes when simulating or sharded, where the compiler keeps
-  each node's work on its device; a rank's own nodes under MPI; a device's block inside a
-  ``jax.pmap``, where the node axis is left unnamed if the pmap axis is itself named
-  ``"nodes"``); the collectives run the backend's stacked mixer and mean.
+  treedef: Any
+  shared: tuple[bool, ...]
+  one_node: tuple[tuple[int, ...], ...]  # each state leaf's shape for one node
 
-  Args:
-    tx: an optax transform written for one node's params.
-    backend: where the nodes live (default: the ``gj.backend.use`` block's, else simulate);
-      every gossipjax transform inside ``tx`` must have been built for the same one.
-    where: the public name used in error messages.
 
-  Returns:
-    An optax transform over node-stacked trees. Called for one node (inside another
-    mapping) it is ``tx`` itself.
+class _NodeMap:
+  """`gj.nodes`'s transform: ``tx`` for one node, mapped over node-stacked trees with `jax.vmap`."""
 
-  Raises:
-    ValueError: a leaf lacks the node axis, a state was not made by this transform's
-      ``init``, or a transform inside was built for another backend.
+  def __init__(self, tx: Any, backend: Any, per_node_args: Sequence[str], where: str, local: bool = False):
+    self.inner = optax.with_extra_args_support(tx)
+    self.backend = backend
+    self.axis = NodeAxis(backend, where, local)
+    self.where = where
+    self.per_node_args = frozenset(per_node_args) | _PER_NODE_EXTRAS
+    self.mesh = _mesh_of(backend)
+    self._layouts: dict[Any, _Layout] = {}
+    self._compiled: dict[Any, Any] = {}
 
-  Example:
-    >>> import jax.numpy as jnp, optax, gossipjax as gj
-    >>> W = gj.topology.complete(2)
-    >>> mask = {"w": True, "b": False}  # gossip the kernel only
-    >>> tx = gj.nodes(optax.chain(optax.sgd(1.0), optax.masked(gj.mix(W), mask)))
-    >>> x = {"w": jnp.zeros((2, 2)), "b": jnp.zeros((2, 1))}
-    >>> g = {"w": jnp.array([[1.0, 1.0], [3.0, 3.0]]), "b": jnp.array([[1.0], [3.0]])}
-    >>> u, _ = tx.update(g, tx.init(x), x)
-    >>> u["w"].tolist(), u["b"].tolist()  # w averaged over both nodes, b local
-    ([[-2.0, -2.0], [-2.0, -2.0]], [[-1.0], [-3.0]])
-  """
-  if not _is_transform(tx):
-    raise TypeError(f"{where}: expected an optax transform, got {tx!r}"
-                    + (" (a function: call it, e.g. optax.adam(1e-3))" if callable(tx) else ""))
-  backend = resolve_backend(backend)
-  inner = optax.with_extra_args_support(tx)
-  mesh = _mesh_of(backend)
+  # -- the mapped call ---------------------------------------------------------------------------
 
-  compiled: dict[Any, Any] = {}
-  # The node axis is named "nodes" for the user's own collectives, unless the backend's exchanges
-  # already run over an enclosing axis of that name (a pmap's): an inner name would hide it.
-  axis_name = None if getattr(backend, "axis_name", None) == AXIS else AXIS
+  def _mapped(self, fn: Callable[..., Any], in_axes: Any, out_axes: Any) -> Callable[..., Any]:
+    def one(*args):
+      with mapped(self.axis):
+        return fn(*args)
 
-  def place(args, in_axes):
+    return jax.vmap(one, in_axes=in_axes, out_axes=out_axes, axis_name=self.axis)
+
+  def _place(self, args: tuple[Any, ...], in_axes: tuple[Any, ...]) -> tuple[Any, ...]:
     """On a mesh, every mapped leaf laid out over the node axis (vmap wants them alike)."""
-    if mesh is None:
+    if self.mesh is None:
       return args
-    axis, where_ = getattr(backend, "axis", AXIS), f"{where} on {backend!r}"
+    axis, where = getattr(self.backend, "axis", "nodes"), f"{self.where} on {self.backend!r}"
 
     def put(a, sub):
       if a is None:
         return sub
-      return jax.tree.map(lambda x: conform(x, mesh, leaf_spec(x, mesh, axis, where_) or P(axis)), sub)
+      return jax.tree.map(lambda x: conform(x, self.mesh, leaf_spec(x, self.mesh, axis, where) or P(axis)), sub)
 
     return tuple(jax.tree.map(put, a, arg, is_leaf=lambda v: v is None) for a, arg in zip(in_axes, args))
 
-  def run(fn, in_axes, out_axes, args, n) -> Any:
-    def one(index, *a):
-      with mapped(Mapping(backend, n, where, index)):
-        return fn(*a)
-
-    in_axes = tuple(in_axes) if isinstance(in_axes, tuple) else (in_axes,) * len(args)
-    args = place(args, in_axes)
-    call = jax.vmap(one, in_axes=(0, *in_axes), out_axes=out_axes, axis_name=axis_name)
-    # Each node's index on the mapped axis, placed like the nodes (lax.axis_index would be an
-    # unplaced iota, which an Explicit mesh refuses to mix with the node-sharded values).
-    like = next((x for x in jax.tree.leaves(args) if jnp.ndim(x) and jnp.shape(x)[0] == n), None)
-    index = follow_placement(jnp.arange(n, dtype=jnp.int32), like) if like is not None else jnp.arange(n)
+  def _run(self, fn: Callable[..., Any], in_axes: tuple[Any, ...], out_axes: Any, args: tuple[Any, ...],
+           key: Any) -> Any:
+    args = self._place(args, in_axes)
+    call = self._mapped(fn, in_axes, out_axes)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-      return call(index, *args)  # inside the caller's jit (or eval_shape): traced once with it
+      return call(*args)  # inside the caller's jit (or eval_shape): traced once with it
     # Called eagerly: one compiled program per layout, not op by op at every call. On an
     # Explicit mesh vmap's broadcasts of per-node values are placed through the mesh context.
-    is_axis = lambda a: a is None
-    flat = lambda axes: (tuple(jax.tree.leaves(axes, is_leaf=is_axis)), jax.tree.structure(axes, is_leaf=is_axis))
-    key = (fn, flat(in_axes), flat(out_axes), n)
-    jitted = compiled.get(key)
+    try:
+      jitted = self._compiled.get(key)
+    except TypeError:  # an unhashable static extra argument: compiled for this call alone
+      key, jitted = None, None
     if jitted is None:
-      jitted = compiled[key] = jax.jit(call)
-    with mesh_of_explicit(mesh, args):
-      out = jitted(index, *args)
+      jitted = jax.jit(call)
+      if key is not None:
+        self._compiled[key] = jitted
+    with mesh_of_explicit(self.mesh, args):  # the backend's mesh, or the one the params are placed on
+      out = jitted(*args)
     return out
 
-  def flags_of(fn, in_axes, args, n, part=lambda out: out):
-    """Which leaves of ``part(fn(...))`` vary over the nodes (traced once, abstractly)."""
-    found: list[bool] = []
+  # -- the state's layout, decided once by init ---------------------------------------------------
 
-    def probe(*a):
-      out = fn(*a)
-      found.extend(varies_over_nodes(part(out)))
-      return out
+  def _init_one(self, params: Any) -> Any:
+    state = self.inner.init(params)
+    return settle_shared(state, shared_leaves(state))
 
-    jax.eval_shape(lambda *a: run(probe, in_axes, 0, a, n), *args)
+  def layout(self, params: Any) -> _Layout:
+    """The state's structure and which of its leaves every node holds alike, from one abstract `init`."""
+    key = (jax.tree.structure(params), tuple((tuple(jnp.shape(x)), jnp.result_type(x)) for x in jax.tree.leaves(params)))
+    found = self._layouts.get(key)
+    if found is None:
+      stacked = jax.eval_shape(self._mapped(self.inner.init, 0, 0), params)
+      leaves, treedef = jax.tree.flatten(stacked)
+      found = self._layouts[key] = _Layout(treedef, tuple(shared_leaves(stacked)),
+                                           tuple(tuple(x.shape[1:]) for x in leaves))
     return found
 
-  def init_state(params, n):
-    flags = flags_of(inner.init, 0, (params,), n)
-    treedef = jax.tree.structure(jax.eval_shape(lambda p: run(inner.init, 0, 0, (p,), n), params))
-    layout = flags
-    # A leaf shared at init that the first update makes per node (apply_if_finite's counters)
-    # is stacked from the start, so the state keeps one structure from step to step.
-    for _ in range(3):
-      state = jax.eval_shape(lambda p, lay=layout: run(inner.init, 0, _axes(lay, treedef), (p,), n), params)
-      try:
-        grown = _update_flags(params, state, params, {}, n)[1]
-      except Exception:  # noqa: BLE001 - an update that needs extra args cannot be traced here
-        break
-      merged = [a or b for a, b in zip(layout, grown)]
-      if merged == layout:
-        break
-      layout = merged
-    return run(inner.init, 0, _axes(layout, treedef), (params,), n)
-
-  def init_fn(params):
+  def init(self, params: Any) -> Any:
     if mapping() is not None:
-      return inner.init(params)
+      return self.inner.init(params)
     params = _materialize(params)
-    n = _leading(params, where)
+    n = _leading(params, self.where)
+    lay = self.layout(params)
+    out_axes = jax.tree.unflatten(lay.treedef, [None if s else 0 for s in lay.shared])
     try:
-      # The per-node state sits where the params' nodes sit (an Auto mesh's compiler would
-      # otherwise be free to put all of it on one device).
-      return follow_placement(init_state(params, n), params)
+      state = self._run(self._init_one, (0,), out_axes, (params,), ("init", n))
     except TypeError as e:
-      raise TypeError(f"{where}: the state of this transform cannot be stacked over nodes ({str(e).splitlines()[0]}); "
-                      "a transform mapped over nodes needs a state whose leaves are arrays") from e
+      raise TypeError(f"{self.where}: the state of this transform cannot be stacked over nodes "
+                      f"({str(e).splitlines()[0]}); a transform mapped over nodes needs a state whose leaves are "
+                      "arrays") from e
+    # The per-node state sits where the params' nodes sit (an Auto mesh's compiler would
+    # otherwise be free to put all of it on one device).
+    return follow_placement(state, params)
 
-  def state_axes(state, params, n):
-    full = jax.eval_shape(lambda p: run(inner.init, 0, 0, (p,), n), params)
-    if jax.tree.structure(state) != jax.tree.structure(full):
-      raise ValueError(f"{where}: this state was not made by this transform's init (its structure differs: "
-                       f"{_short(jax.tree.structure(state))} against {_short(jax.tree.structure(full))}); "
+  # -- update ---------------------------------------------------------------------------------------
+
+  def _state_axes(self, state: Any, lay: _Layout, n: int) -> list[Any]:
+    if jax.tree.structure(state) != lay.treedef:
+      raise ValueError(f"{self.where}: this state was not made by this transform's init (its structure differs: "
+                       f"{_short(jax.tree.structure(state))} against {_short(lay.treedef)}); "
                        "pass the state that tx.init returned")
-
-    def axis(path, x, f):
+    axes = []
+    for (path, x), shared, one in zip(jax.tree_util.tree_leaves_with_path(state), lay.shared, lay.one_node):
       shape = tuple(jnp.shape(x))
-      if shape == tuple(f.shape):
-        return 0
-      if shape == tuple(f.shape[1:]):
-        return None
-      raise ValueError(f"{where}: state leaf {jax.tree_util.keystr(path)} has shape {shape}; expected "
-                       f"{tuple(f.shape)} (one value per node) or {tuple(f.shape[1:])} (one for every node)")
+      if shape == one:
+        axes.append(None)  # one value for every node (a shared count, or a value tree_set for all)
+      elif shape == (n,) + one and not shared:
+        axes.append(0)
+      else:
+        want = f"{one}" if shared else f"{(n,) + one} (one value per node) or {one} (one for every node)"
+        raise ValueError(f"{self.where}: state leaf {jax.tree_util.keystr(path)} has shape {shape}; expected {want}")
+    return axes
 
-    return jax.tree_util.tree_map_with_path(axis, state, full)
+  def _extra_axes(self, extra: dict[str, Any], n: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Extra arguments split into mapped ones (with their in_axes) and static ones (passed through)."""
+    arrays, axes, static = {}, {}, {}
+    for name, value in extra.items():
+      leaves = jax.tree.leaves(value)
+      if not leaves or not all(_is_array(x) for x in leaves):
+        static[name] = value  # a function (lbfgs's value_fn), None, a string: passed as it is
+        continue
+      if name not in self.per_node_args:
+        arrays[name], axes[name] = jax.tree.map(jnp.asarray, value), jax.tree.map(lambda _: None, value)
+        continue
+      if isinstance(value, (list, tuple)) and all(np.ndim(v) == 0 for v in value):
+        value = jnp.asarray(value)  # a list of one entry per node, as the stacked transforms take it
+      value = jax.tree.map(jnp.asarray, value)
+      for path, x in jax.tree_util.tree_leaves_with_path(value):
+        if not jnp.ndim(x) or jnp.shape(x)[0] != n:
+          raise ValueError(f"{self.where}: the extra argument {name}{jax.tree_util.keystr(path)} is one value per "
+                           f"node, so it needs a leading axis of {n} (shape ({n}, ...)); got shape {jnp.shape(x)}")
+      arrays[name], axes[name] = value, jax.tree.map(lambda _: 0, value)
+    return arrays, axes, static
 
-  def step(updates, state, params, extra):
-    return inner.update(updates, state, params, **extra)
+  def _update_one(self, static: tuple[tuple[str, Any], ...], updates: Any, state: Any, params: Any,
+                  extra: dict[str, Any]) -> Any:
+    new, state = self.inner.update(updates, state, params, **extra, **dict(static))
+    return new, settle_shared(state, shared_leaves(state))
 
-  def _update_flags(updates, state, params, extra, n):
-    axes_s = state_axes(state, updates if params is None else params, n)
-    axes_e = jax.tree.map(lambda x: 0 if jnp.ndim(x) and jnp.shape(x)[0] == n else None, extra)
-    in_axes = (0, axes_s, None if params is None else 0, axes_e)
-    return in_axes, flags_of(step, in_axes, (updates, state, params, extra), n, part=lambda out: out[1])
-
-  def update_fn(updates, state, params=None, **extra_args):
+  def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
     if mapping() is not None:
-      return inner.update(updates, state, params, **extra_args)
-    n = _leading(updates, where)
-    in_axes, flags = _update_flags(updates, state, params, extra_args, n)
-    shared_in = [a is None for a in jax.tree.leaves(in_axes[1], is_leaf=lambda a: a is None)]
-    out_state = [0 if f or not s else None for f, s in zip(flags, shared_in)]
-    out_axes = (0, jax.tree.unflatten(jax.tree.structure(state), out_state))
-    return run(step, in_axes, out_axes, (updates, state, params, extra_args), n)
+      return self.inner.update(updates, state, params, **extra_args)
+    n = _leading(updates, self.where)
+    lay = self.layout(updates if params is None else params)
+    state_axes = jax.tree.unflatten(lay.treedef, self._state_axes(state, lay, n))
+    arrays, extra_axes, static = self._extra_axes(extra_args, n)
+    in_axes = (0, state_axes, None if params is None else 0, extra_axes)
+    out_axes = (0, jax.tree.unflatten(lay.treedef, [None if s else 0 for s in lay.shared]))
+    statics = tuple(sorted(static.items()))
+    fn = functools.partial(self._update_one, statics)
+    is_axis = lambda a: a is None
+    key = ("update", statics, jax.tree.structure(in_axes, is_leaf=is_axis),
+           tuple(jax.tree.leaves(in_axes, is_leaf=is_axis)))
+    return self._run(fn, in_axes, out_axes, (updates, state, params, arrays), key)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def transform(self) -> optax.GradientTransformationExtraArgs:
+    return optax.GradientTransformationExtraArgs(self.init, self.update)
 
 
 def _is_transform(tx: Any) -> bool:
@@ -247,6 +232,75 @@ def _short(treedef: Any) -> str:
   return text if len(text) <= 120 else text[:117] + "..."
 
 
+def _check_transform(tx: Any, where: str) -> None:
+  if not _is_transform(tx):
+    raise TypeError(f"{where}: expected an optax transform, got {tx!r}"
+                    + (" (a function: call it, e.g. optax.adam(1e-3))" if callable(tx) else ""))
+
+
+def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
+          per_node_args: Sequence[str] = ()) -> optax.GradientTransformationExtraArgs:
+  """Maps a one-node optax transform over node-stacked trees.
+
+  ``tx`` is written for one node: any optax transform or combinator (``optax.chain``,
+  ``masked``, ``inject_hyperparams``, ``MultiSteps``, ...) around or inside gossipjax's own.
+  Communication is a collective over the node axis that the mapping binds: inside it `gj.mix`
+  and the methods' gossip rounds exchange with the neighbours, and the all-reduce methods take
+  the mean over all nodes. Everything else runs on each node alone, so
+  ``clip_by_global_norm`` clips each node by its own norm. The node axis is gossipjax's own
+  (not a string), so it never meets an axis of the user's, ``"nodes"`` included.
+
+  The mapped transform is ``jax.vmap`` of ``tx`` over the leading node axis, with these
+  rules, each decided from the inputs:
+
+  - **State.** ``init`` returns one node's state stacked over the nodes: every leaf has the
+    node axis, as ``jax.vmap(tx.init)`` would give, except the leaves a gossipjax state class
+    declares one value for every node (the step count that picks W(k) and the gossip rounds),
+    which stay one value so that every node gossips on the same steps. The layout is decided
+    once, by ``init``, and is the same after every step, so a jitted step compiles once and a
+    ``lax.scan`` over steps keeps its carry. A leaf set with ``optax.tree_utils.tree_set`` may
+    have the node axis (one value per node) or not (the same value for every node).
+  - **Extra arguments** of ``update`` are the same for every node unless named in
+    ``per_node_args`` (then each has a leading node axis), whatever their shape; those of
+    gossipjax's own methods that are per node (``up=``, ``skip_nodes=``) are always per node.
+    An argument that is not an array (``optax.lbfgs``'s ``value_fn``) is passed as it is.
+  - **Per-node gates.** A wrapper that skips a node's step (``optax.apply_if_finite``,
+    ``optax.MultiSteps``) around a transform that gossips still runs the gossip for every
+    node (a collective has no per-node branch): a skipped node's NaN gradient reaches its
+    neighbours through the exchange. Use `gj.guard_finite` for a node that must skip its
+    step without its neighbours seeing it.
+
+  Args:
+    tx: an optax transform written for one node's params.
+    backend: where the nodes live (default: the ``gj.backend.use`` block's, else simulate);
+      every gossipjax transform inside ``tx`` must have been built for the same one.
+    per_node_args: names of ``update``'s extra arguments that carry one value per node
+      (e.g. ``("value",)`` for ``optax.contrib.reduce_on_plateau`` on each node's loss).
+
+  Returns:
+    An optax transform over node-stacked trees. Called for one node (inside another
+    mapping) it is ``tx`` itself.
+
+  Raises:
+    ValueError: a leaf lacks the node axis, a state was not made by this transform's
+      ``init``, a per-node extra argument lacks the node axis, or a transform inside was
+      built for another backend.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, gossipjax as gj
+    >>> W = gj.topology.complete(2)
+    >>> mask = {"w": True, "b": False}  # gossip the kernel only
+    >>> tx = gj.nodes(optax.chain(optax.sgd(1.0), optax.masked(gj.mix(W), mask)))
+    >>> x = {"w": jnp.zeros((2, 2)), "b": jnp.zeros((2, 1))}
+    >>> g = {"w": jnp.array([[1.0, 1.0], [3.0, 3.0]]), "b": jnp.array([[1.0], [3.0]])}
+    >>> u, _ = tx.update(g, tx.init(x), x)
+    >>> u["w"].tolist(), u["b"].tolist()  # w averaged over both nodes, b local
+    ([[-2.0, -2.0], [-2.0, -2.0]], [[-1.0], [-3.0]])
+  """
+  _check_transform(tx, "gj.nodes")
+  return _NodeMap(tx, resolve_backend(backend), per_node_args, "gj.nodes").transform()
+
+
 def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax transform so that ``init`` and ``update`` act on each node on its own: `nodes`.
 
@@ -254,7 +308,10 @@ def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> optax.
   model when used bare: ``optax.clip_by_global_norm(1.0)`` then takes one norm over every
   node's gradient, and ``optax.apply_if_finite`` skips every node's step when one node's
   gradient is NaN. Under ``per_node`` each node has its own norm and its own skip counter.
-  It is `gj.nodes` under the name that says what it does to a local transform.
+
+  ``tx`` is local: it is mapped as `nodes` maps a transform, and a gossipjax transform that
+  communicates (`gj.mix`, a method's gossip) inside it is refused, naming `gj.chain` / `gj.nodes`,
+  which map a transform that gossips.
 
   Args:
     tx: any ``optax.GradientTransformation``, written for one node's params.
@@ -262,6 +319,9 @@ def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> optax.
 
   Returns:
     A transform over node-stacked trees (see `nodes`).
+
+  Raises:
+    ValueError: a transform inside ``tx`` communicates (on its first update).
 
   Example:
     >>> import jax.numpy as jnp, optax, gossipjax as gj
@@ -275,10 +335,12 @@ def per_node(tx: optax.GradientTransformation, *, backend: Any = None) -> optax.
     >>> [[round(float(v), 2) for v in node] for node in u]
     [[0.6, 0.8], [0.06, 0.08]]
   """
-  return nodes(tx, backend=backend, where="gj.per_node")
+  _check_transform(tx, "gj.per_node")
+  return _NodeMap(tx, resolve_backend(backend), (), "gj.per_node", local=True).transform()
 
 
-def chain(*transforms: optax.GradientTransformation, backend: Any = None) -> optax.GradientTransformationExtraArgs:
+def chain(*transforms: optax.GradientTransformation, backend: Any = None,
+          per_node_args: Sequence[str] = ()) -> optax.GradientTransformationExtraArgs:
   """``optax.chain`` for node-stacked params: ``gj.nodes(optax.chain(*transforms))``.
 
   Every transform is written for one node; gossipjax's (`mix`, the methods, the averages,
@@ -291,6 +353,8 @@ def chain(*transforms: optax.GradientTransformation, backend: Any = None) -> opt
     *transforms: optax transforms, in order, as for ``optax.chain``.
     backend: where the nodes live (default: the ``gj.backend.use`` block's, else simulate);
       the gossipjax transforms in the chain must have been built for the same one.
+    per_node_args: names of ``update``'s extra arguments that carry one value per node
+      (see `nodes`).
 
   Returns:
     The chained transform over node-stacked trees (see `nodes`).
@@ -310,4 +374,4 @@ def chain(*transforms: optax.GradientTransformation, backend: Any = None) -> opt
       raise TypeError(f"gj.chain: argument {i} is not an optax transform, got {t!r}{hint}")
   parts = [t if isinstance(t, optax.GradientTransformation) else optax.GradientTransformationExtraArgs(t.init, t.update)
            for t in transforms]
-  return nodes(optax.chain(*parts), backend=backend, where="gj.chain")
+  return _NodeMap(optax.chain(*parts), resolve_backend(backend), per_node_args, "gj.chain").transform()

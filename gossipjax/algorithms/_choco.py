@@ -43,6 +43,8 @@ class ChocoState(NamedTuple):
       round r (zeros where it has none), shaped like the params; ``()`` otherwise.
   """
 
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k) and the rounds)
+
   count: jax.Array
   public: Any  # x_hat_i: the copy of x_i that node i and its neighbours share
   neighbour_sum: Any  # s_i = sum_j w_ij x_hat_j, kept up to date from the compressed messages

@@ -47,6 +47,8 @@ class DecentLaMState(NamedTuple):
       shaped like the params (leading node axis).
   """
 
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k) and the rounds)
+
   count: jax.Array
   momentum: Any
 

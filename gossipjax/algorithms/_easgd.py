@@ -28,6 +28,8 @@ class EASGDState(NamedTuple):
       shaped like the params.
   """
 
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k) and the rounds)
+
   count: jax.Array
   center: Any  # the center variable x_tilde, one (equal) copy per node
 

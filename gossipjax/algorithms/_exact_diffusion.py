@@ -22,6 +22,8 @@ class ExactDiffusionState(NamedTuple):
       (``psi^0 = x^0``), shaped like the params.
   """
 
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k) and the rounds)
+
   count: jax.Array
   psi: Any  # the previous adapted iterate psi^k = x^{k-1} - lr g^{k-1}  (psi^0 = x^0)
 

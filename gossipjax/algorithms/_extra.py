@@ -22,6 +22,8 @@ class ExtraState(NamedTuple):
       shaped like the params.
   """
 
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k) and the rounds)
+
   count: jax.Array
   correction: Any  # \tilde W x^{k-1} - lr g^{k-1}  (x^0 before the first step)
 

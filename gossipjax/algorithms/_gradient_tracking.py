@@ -25,6 +25,8 @@ class GradientTrackingState(NamedTuple):
       the tracker is ``y^k = c^k + g^k``; shaped like the params.
   """
 
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k) and the rounds)
+
   count: jax.Array
   correction: Any  # W(k-1) y^{k-1} - g^{k-1}, so that the tracker is y^k = correction + g^k
 

@@ -24,6 +24,8 @@ class PeriodicAverageState(NamedTuple):
       ``count % every == every - 1``.
   """
 
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k) and the rounds)
+
   count: jax.Array
 
 

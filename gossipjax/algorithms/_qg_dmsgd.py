@@ -24,6 +24,8 @@ class QGMomentumState(NamedTuple):
     momentum: the quasi-global momentum ``m_hat_i`` of every node, shaped like the params.
   """
 
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k) and the rounds)
+
   count: jax.Array
   momentum: Any  # the quasi-global momentum m_hat_i
 

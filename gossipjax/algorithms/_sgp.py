@@ -27,6 +27,8 @@ class SGPState(NamedTuple):
     momentum: the local momentum ``u_i`` of every node, shaped like the params.
   """
 
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k) and the rounds)
+
   count: jax.Array
   push_weight: jax.Array  # (nodes,) the push-sum weights w_i; params are z_i / w_i
   momentum: Any

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gossipjax._axis import AXIS as NODE_AXIS
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import mean_terms
@@ -23,18 +22,16 @@ from gossipjax.topology import Topology
 def check_pmap_size(axis: str, num_devices: int, block: int) -> None:
   """Refuses a pmap over ``axis`` whose size is not the ``num_devices`` the backend was built for.
 
-  ``lax.axis_size`` reads the innermost axis of that name. `gj.chain` / `gj.nodes` leave their
-  node axis unnamed on a pmapped backend whose axis is ``"nodes"``, so it is not hidden there; a
-  user's own ``jax.vmap(..., axis_name="nodes")`` around the step would hide it, and a mean
-  scaled by the block's size would be silently wrong, so that is refused with the way out.
+  ``lax.axis_size`` reads the innermost axis of that name. A user's own ``jax.vmap`` around the
+  step with the pmap axis's name would hide it, and a mean scaled by the block's size would be
+  silently wrong, so that is refused with the way out.
   """
   size = lax.axis_size(axis)
   if size == num_devices:
     return
-  if axis == NODE_AXIS and size == block:
+  if size == block:
     raise ValueError(
-        f"gj.backend.pmapped: the pmap axis is named {axis!r}, as gj.chain and gj.nodes name their node axis, "
-        f"which hides it (its size reads {size}, this device's block, not the backend's {num_devices} devices); "
+        f"gj.backend.pmapped: an axis inside the pmap is also named {axis!r}, which hides the pmap's (its size reads {size}, this device's block, not the backend's {num_devices} devices); "
         f"name the pmap axis otherwise: jax.pmap(..., axis_name='devices') with gj.backend.pmapped('devices')")
   raise ValueError(f"gj.backend.pmapped: the pmap over {axis!r} has {size} devices but the backend was built for "
                    f"{num_devices}; pass gj.backend.pmapped(axis_size={size})")

@@ -26,6 +26,8 @@ class MixState(NamedTuple):
   zeroes the local update of the nodes it skips before mixing (see ``gj.SkipNodes``).
   """
 
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k) and the rounds)
+
   count: jax.Array  # steps taken; selects W(k) for time-varying topologies
 
   zeroes_skipped_nodes = True  # tells gj.guard_finite that mix zeroes its skipped nodes' local updates

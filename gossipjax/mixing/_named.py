@@ -45,7 +45,10 @@ def _witness() -> jax.Array:
 
 
 def check_same_backend(current: Mapping, backend: Any, name: str) -> None:
-  """Refuses a transform built for one backend inside a mapping on another."""
+  """Refuses a transform built for one backend inside a mapping on another, and any collective in `gj.per_node`."""
+  if current.axis.local:
+    raise ValueError(f"{name} communicates with the other nodes, but runs inside {current.where}, which maps a "
+                     "local transform node by node; map a transform that gossips with gj.chain or gj.nodes")
   if backend is current.backend or backend == current.backend:
     return
   raise ValueError(f"{name} was built for backend {backend!r} but runs inside {current.where} on "

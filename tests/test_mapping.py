@@ -1,0 +1,239 @@
+"""The node mapping follows from its inputs: cached helpers, a state layout fixed by init, declared extra args."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import gossipjax as gj
+
+N = 4
+W = gj.topology.ring(N)
+WM = np.asarray(W.matrix())
+MIXER = gj.mixing.make_mixer(W)
+# Module-level helpers whose traces JAX caches: used on stacked trees and inside gj.nodes alike.
+MIX_JITTED = jax.jit(lambda t: MIXER.mix(t, 0))
+
+
+def _mix_twice(t):
+  return lax.scan(lambda c, _: (MIXER.mix(c, 0), None), t, length=2)[0]
+
+
+def _gossip_with(helper):
+  """A one-node transform: u' = helper(x + u) - x, the gossip written with a user's helper."""
+
+  def update(updates, state, params):
+    return jax.tree.map(lambda m, p: m - p, helper(jax.tree.map(jnp.add, params, updates)), params), state
+
+  return gj.nodes(optax.GradientTransformation(lambda p: optax.EmptyState(), update))
+
+
+def test_a_cached_jitted_helper_and_a_scanned_mix_work_inside_the_mapping():
+  rng = np.random.default_rng(0)
+  # One node's leaf is (4, 2): the same aval as the stacked tree the helper is first called on, so
+  # only the bound node axis tells the two traces apart.
+  stacked = jnp.asarray(rng.normal(size=(N, 2)))
+  np.testing.assert_allclose(MIX_JITTED(stacked), WM @ stacked, atol=1e-12)
+  x = jnp.asarray(rng.normal(size=(N, N, 2)))
+  zero = jnp.zeros_like(x)
+  want = np.einsum("ij,jab->iab", WM, x) - x
+  for helper, w in ((MIX_JITTED, want), (_mix_twice, np.einsum("ij,jab->iab", WM @ WM, x) - x)):
+    tx = _gossip_with(helper)
+    for call in (tx.update, jax.jit(tx.update)):
+      for _ in range(2):  # called twice: the cached trace is reused, nothing escapes
+        u, _ = call(zero, tx.init(x), x)
+        np.testing.assert_allclose(u, w, atol=1e-12)
+  np.testing.assert_allclose(MIX_JITTED(stacked), WM @ stacked, atol=1e-12)  # and on stacked trees again
+
+
+def _params_grads(seed, steps=3):
+  rng = np.random.default_rng(seed)
+  params = {"w": jnp.asarray(rng.normal(size=(N, 3, 2))), "b": jnp.asarray(rng.normal(size=(N, 2)))}
+  grads = [jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)), params) for _ in range(steps)]
+  return params, grads
+
+
+@pytest.mark.parametrize("name", ["reduce_on_plateau", "momo"])
+def test_the_state_layout_is_fixed_by_init(name, tmp_path):
+  inner = {"reduce_on_plateau": lambda: optax.chain(optax.adam(0.1), optax.contrib.reduce_on_plateau(patience=0)),
+           "momo": lambda: optax.contrib.momo(learning_rate=0.1)}[name]
+  tx = gj.chain(inner(), gj.mix(W), per_node_args=("value",))
+  params, grads = _params_grads(1)
+  values = [jnp.arange(N, dtype=float) * (k + 1) for k in range(3)]
+  state = tx.init(params)
+  shapes = jax.tree.map(jnp.shape, state)
+
+  @jax.jit
+  def step(p, s, g, v):
+    u, s = tx.update(g, s, p, value=v)
+    return optax.apply_updates(p, u), s
+
+  p, s = params, state
+  for g, v in zip(grads, values):
+    p, s = step(p, s, g, v)
+    assert jax.tree.map(jnp.shape, s) == shapes
+  assert step._cache_size() == 1  # one program for every step
+
+  def body(carry, gv):
+    return step(*carry, *gv), None
+
+  (p2, s2), _ = lax.scan(body, (params, state), (jax.tree.map(lambda *x: jnp.stack(x), *grads), jnp.stack(values)))
+  for a, b in zip(jax.tree.leaves((p2, s2)), jax.tree.leaves((p, s))):
+    np.testing.assert_allclose(a, b, atol=1e-12)
+  gj.checkpoint.save(tmp_path, {"params": p, "state": s}, step=3)
+  restored = gj.checkpoint.restore(tmp_path, {"params": params, "state": tx.init(params)})
+  for a, b in zip(jax.tree.leaves(restored["state"]), jax.tree.leaves(s)):
+    np.testing.assert_array_equal(a, b)
+
+
+def _scale_by(w_name):
+  def update(updates, state, params=None, **extra):
+    return jax.tree.map(lambda u: u * extra[w_name], updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+
+def test_an_extra_argument_is_shared_unless_declared_per_node():
+  u = jnp.ones((N, N))
+  w = jnp.arange(1.0, N + 1)  # a per-coordinate weight shared by every node, n entries long
+  stacked, _ = _scale_by("w").update(u, optax.EmptyState(), None, w=w[None, :])
+  tx = gj.chain(_scale_by("w"))
+  mapped, _ = tx.update(u, tx.init(u), None, w=w)
+  np.testing.assert_array_equal(mapped, stacked)  # every node scaled coordinate by coordinate
+  np.testing.assert_array_equal(mapped[1], [1.0, 2.0, 3.0, 4.0])
+  tx = gj.chain(_scale_by("w"), per_node_args=("w",))  # now one weight per node
+  mapped, _ = tx.update(u, tx.init(u), None, w=w)
+  np.testing.assert_array_equal(mapped[:, 0], [1.0, 2.0, 3.0, 4.0])
+  with pytest.raises(ValueError, match=r"gj.chain: the extra argument w is one value per node, so it needs a "
+                                       r"leading axis of 4"):
+    tx.update(u, tx.init(u), None, w=jnp.ones(3))
+
+
+def test_lbfgs_with_its_value_fn_equals_a_run_per_node():
+  rng = np.random.default_rng(2)
+  center = jnp.asarray(rng.normal(size=3))
+
+  def loss(x):
+    return jnp.sum((x - center) ** 2 * jnp.arange(1.0, 4.0)) + 0.1 * jnp.sum((x - center) ** 4)
+
+  x0 = jnp.asarray(rng.normal(size=(N, 3)))
+  tx = gj.chain(optax.lbfgs(), per_node_args=("value", "grad"))
+
+  @jax.jit
+  def step(x, s):
+    value, grad = jax.vmap(jax.value_and_grad(loss))(x)
+    u, s = tx.update(grad, s, x, value=value, grad=grad, value_fn=loss)
+    return optax.apply_updates(x, u), s
+
+  x, s = x0, tx.init(x0)
+  for _ in range(4):
+    x, s = step(x, s)
+  one = optax.lbfgs()
+  for i in range(N):
+    xi, si = x0[i], one.init(x0[i])
+    for _ in range(4):
+      value, grad = jax.value_and_grad(loss)(xi)
+      u, si = one.update(grad, si, xi, value=value, grad=grad, value_fn=loss)
+      xi = optax.apply_updates(xi, u)
+    np.testing.assert_allclose(x[i], xi, rtol=0, atol=1e-12)
+
+
+def test_a_gated_node_keeps_the_shared_gossip_schedule():
+  params, _ = _params_grads(3)
+  zero = jax.tree.map(jnp.zeros_like, params)
+  nan = jax.tree.map(lambda g: g.at[1].set(jnp.nan), zero)
+  tx = gj.chain(optax.apply_if_finite(optax.chain(optax.sgd(0.1), gj.mix(W, every=2)), 3))
+  state, p = tx.init(params), params
+  mean = gj.node_mean(params)
+  for g in [nan, zero, zero, zero, nan, zero, zero]:  # NaNs on the local (odd-count) steps only
+    u, state = tx.update(g, state, p)
+    p = optax.apply_updates(p, u)
+  counts = [x for x in jax.tree.leaves(state) if x.dtype == jnp.int32 and x.ndim == 0]
+  assert counts and all(int(c) == 7 for c in counts if int(c) > 3), counts  # the mix's count: one for all nodes
+  assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(p))
+  for a, b in zip(jax.tree.leaves(gj.node_mean(p)), jax.tree.leaves(mean)):
+    np.testing.assert_allclose(a, b, atol=1e-12)  # with zero gradients the node mean never moves
+
+
+def test_guard_finite_inside_the_mapping_keeps_a_skipped_nodes_whole_state():
+  params, grads = _params_grads(4, steps=4)
+  grads[1] = jax.tree.map(lambda g: g.at[1].set(jnp.nan), grads[1])
+  adam = optax.adam(0.1)
+  tx = gj.chain(gj.guard_finite(gj.per_node(adam)), gj.mix(W))
+  state, p = tx.init(params), params
+  # Reference: node by node, a NaN step leaves the node's Adam state (its count included) as it was.
+  ref_p = params
+  ref_s = [adam.init(jax.tree.map(lambda x: x[i], params)) for i in range(N)]
+  for g in grads:
+    u, state = tx.update(g, state, p)
+    p = optax.apply_updates(p, u)
+    local = []
+    for i in range(N):
+      gi, xi = jax.tree.map(lambda x: x[i], g), jax.tree.map(lambda x: x[i], ref_p)
+      if all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(gi)):
+        ui, ref_s[i] = adam.update(gi, ref_s[i], xi)
+      else:
+        ui = jax.tree.map(jnp.zeros_like, gi)
+      local.append(ui)
+    half = jax.tree.map(lambda x, *us: x + jnp.stack(us), ref_p, *local)
+    ref_p = jax.tree.map(lambda h: jnp.einsum("ij,j...->i...", WM, h), half)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_gj_per_node_maps_a_local_transform_and_refuses_a_gossip():
+  g = jnp.ones((N, 2))
+  tx = gj.per_node(optax.chain(optax.sgd(0.1), gj.mix(W)))
+  with pytest.raises(ValueError, match=r"gj.mix communicates with the other nodes, but runs inside gj.per_node, "
+                                       r"which maps a local transform"):
+    tx.update(g, tx.init(g), g)
+
+
+def test_init_and_update_trace_the_one_node_transform_once():
+  traces = {"init": 0, "update": 0}
+
+  def init(params):
+    traces["init"] += 1
+    return optax.adam(0.1).init(params)
+
+  def update(updates, state, params=None):
+    traces["update"] += 1
+    return optax.adam(0.1).update(updates, state, params)
+
+  tx = gj.chain(optax.GradientTransformation(init, update), gj.mix(W))
+  params, grads = _params_grads(5)
+  state = tx.init(params)
+  assert traces["init"] == 2  # the layout (abstract) and the state itself
+  state = tx.init(params)
+  assert traces["init"] == 2  # the layout and the compiled init are known
+  step = jax.jit(tx.update)
+  for g in grads:
+    _, state = step(g, state, params)
+  assert traces["update"] == 1
+  for g in grads:  # eagerly: one compiled program, reused
+    _, state = tx.update(g, state, params)
+  assert traces["update"] == 2
+
+
+def test_the_participation_mask_has_one_entry_per_node_in_both_forms():
+  params, grads = _params_grads(6, steps=4)
+  ups = [[True, False, True, True], [True, True, False, True], [False, True, True, True], [True] * N]
+  bare, mapped = gj.diloco(optax.sgd(0.1), inner_steps=2), gj.chain(gj.diloco(optax.sgd(0.1), inner_steps=2))
+  outs = []
+  for tx, as_list in ((bare, True), (mapped, True), (mapped, False)):
+    state, p, out = tx.init(params), params, []
+    for g, up in zip(grads, ups):
+      u, state = tx.update(g, state, p, up=up if as_list else jnp.asarray(up))
+      p = optax.apply_updates(p, u)
+      out.append(u)
+    outs.append(out)
+  for other in outs[1:]:
+    for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(outs[0])):
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+  with pytest.raises(ValueError, match=r"gj.chain: the extra argument up is one value per node, so it needs a "
+                                       r"leading axis of 4 \(shape \(4, \.\.\.\)\); got shape \(\)"):
+    mapped.update(grads[0], mapped.init(params), params, up=True)
