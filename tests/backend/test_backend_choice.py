@@ -64,7 +64,7 @@ def test_a_class_with_the_four_methods_is_a_backend_and_anything_else_is_refused
 
 BUILT_FOR_THE_SIMULATION = {
     "gossip_sgd": lambda: gj.gossip_sgd(T.ring(16), beta=0.9, learning_rate=0.1),
-    "chain_mix": lambda: gj.chain(optax.sgd(0.1), gj.mix(T.one_peer_exponential(16))),
+    "chain_mix": lambda: gj.chain(optax.adam(0.1), gj.mix(T.one_peer_exponential(16))),
     "diloco": lambda: gj.diloco(optax.adam(0.1), inner_steps=2),
 }
 
