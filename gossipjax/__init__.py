@@ -4,7 +4,7 @@ Every algorithm is an ``optax.GradientTransformation`` over params whose leaves 
 leading node axis; a topology (the mixing matrix W) says who averages with whom.
 """
 
-from gossipjax import algorithms, asynchrony, backend, checkpoint, compress, data, mixing, topology
+from gossipjax import algorithms, asynchrony, backend, checkpoint, compress, data, layers, mixing, topology
 from gossipjax.backend._traffic import bytes_per_step
 from gossipjax._guard import GuardFiniteState, SkipNodes, check_guard, guard_finite, nonfinite_counts, zero_skipped
 from gossipjax._mapping import chain, nodes, per_node
@@ -90,6 +90,7 @@ __all__ = (
     "gradient_tracking",
     "guard_finite",
     "init_nodes",
+    "layers",
     "mix",
     "mixing",
     "node_mean",

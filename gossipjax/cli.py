@@ -65,7 +65,8 @@ DEFAULT_ROOT = os.path.join("runs", "train")
 
 RESUME_OPTIONS = ("algorithms", "topologies", "nodes", "lr", "beta", "seed", "batch_size", "partition", "alpha",
                   "model", "log_every", "backend", "compressor", "compress_fraction", "consensus_step", "average_every",
-                  "inner_steps", "outer_lr", "outer_momentum", "inner_lr", "fragments", "overlap", "mixing")
+                  "inner_steps", "outer_lr", "outer_momentum", "inner_lr", "fragments", "overlap", "mixing",
+                  "fragment_split")
 
 
 DEFAULT_TOPOLOGIES = ("ring", "exponential", "symmetric_exponential")
@@ -127,9 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="diloco, noloco, streaming_diloco: the outer momentum (default: 0.9, Nesterov, for diloco "
                       "and streaming_diloco; 0.5 for noloco)")
   t.add_argument("--fragments", type=_integer(1, "a positive integer"), default=4,
-                 help="streaming_diloco: F, the fragments of the params (consecutive layers' leaves) that "
-                      "synchronise in turn, one every --inner-steps / F steps; at most --inner-steps and the "
-                      "model's leaves (mlp: 4, cnn: 6)")
+                 help="streaming_diloco: F, the fragments of the params (see --fragment-split) that "
+                      "synchronise in turn, one every --inner-steps / F steps; at most --inner-steps and, with "
+                      "--fragment-split layers, the model's leaves (mlp: 4, cnn: 6)")
+  t.add_argument("--fragment-split", choices=["layers", "balanced"], default="layers",
+                 help="streaming_diloco: fragments of whole leaves in order (the paper's; the peak sync is the "
+                      "largest fragment's), or of equal bytes, cutting leaves (the peak is 1/F of diloco's)")
   t.add_argument("--overlap", type=_integer(0, "a non-negative integer"), default=1,
                  help="streaming_diloco: tau, the inner steps a fragment's all-reduce overlaps before its outer "
                       "step is applied; below --inner-steps / --fragments")
@@ -396,7 +400,7 @@ def _build_runs(args: argparse.Namespace, backend):
   txs, skipped = [], {}
   options = AlgorithmOptions(args.compressor, args.compress_fraction, args.consensus_step, args.average_every,
                              args.inner_steps, args.outer_lr, args.outer_momentum, args.fragments, args.overlap,
-                             args.mixing)
+                             args.mixing, args.fragment_split)
   for c in list(runs):
     try:
       topo = make_topology(c.topology, c.num_nodes) if c.topology else None
@@ -448,13 +452,14 @@ def _check_fragments(args: argparse.Namespace, dataset) -> None:
   """Streaming DiLoCo splits the model by leaves: --fragments may not exceed them."""
   import jax
 
-  if "streaming_diloco" not in args.algorithms:
+  if "streaming_diloco" not in args.algorithms or args.fragment_split == "balanced":  # balanced cuts leaves
     return
   shapes = jax.eval_shape(_make_model(args, dataset).init, jax.random.key(0), dataset.x_test[:1])
   leaves = len(jax.tree.leaves(shapes))
   if args.fragments > leaves:
     args.parser.error(f"argument --fragments: {args.fragments} fragments, but the {args.model}'s params have "
-                      f"{leaves} leaves (streaming_diloco splits them by leaves); give at most {leaves}")
+                      f"{leaves} leaves (streaming_diloco splits them by leaves); give at most {leaves}, or "
+                      "--fragment-split balanced")
 
 
 def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> dict:

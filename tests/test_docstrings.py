@@ -18,7 +18,7 @@ import pytest
 
 import gossipjax as gj
 
-SUBPACKAGES = ("topology", "backend", "compress", "data", "checkpoint", "asynchrony", "train", "mixing",
+SUBPACKAGES = ("layers", "topology", "backend", "compress", "data", "checkpoint", "asynchrony", "train", "mixing",
                "algorithms")
 
 # Names that implement a method from a paper: their docstring cites it.

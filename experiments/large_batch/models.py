@@ -13,8 +13,15 @@ optimizers expect). Any input size works: an 8x8 digit goes through the stages a
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax.numpy as jnp
+
+import gossipjax as gj
+
+# Per-node convolutions: on a GPU their weight gradients run as matrix products (gj.layers).
+Conv = functools.partial(nn.Conv, conv_general_dilated=gj.layers.conv_general_dilated)
 
 
 def _norm(features: int) -> nn.Module:
@@ -30,12 +37,12 @@ class BasicBlock(nn.Module):
   @nn.compact
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
     s = (self.stride, self.stride)
-    y = nn.Conv(self.features, (3, 3), s, padding="SAME", use_bias=False)(x)
+    y = Conv(self.features, (3, 3), s, padding="SAME", use_bias=False)(x)
     y = nn.relu(_norm(self.features)(y))
-    y = nn.Conv(self.features, (3, 3), padding="SAME", use_bias=False)(y)
+    y = Conv(self.features, (3, 3), padding="SAME", use_bias=False)(y)
     y = _norm(self.features)(y)
     if self.stride != 1 or x.shape[-1] != self.features:
-      x = _norm(self.features)(nn.Conv(self.features, (1, 1), s, use_bias=False)(x))
+      x = _norm(self.features)(Conv(self.features, (1, 1), s, use_bias=False)(x))
     return nn.relu(x + y)
 
 
@@ -54,7 +61,7 @@ class ResNet20(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-    x = nn.Conv(self.width, (3, 3), padding="SAME", use_bias=False)(x)
+    x = Conv(self.width, (3, 3), padding="SAME", use_bias=False)(x)
     x = nn.relu(_norm(self.width)(x))
     for stage in range(3):
       for b in range(self.blocks_per_stage):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -14,12 +15,15 @@ from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._mapping import per_node
 from gossipjax._validation import check_in_range, check_period, check_positive_int, require_params
 from gossipjax.algorithms._choco import _raw_key
-from gossipjax.algorithms._outer import (_check_outer_rates, _check_transform, _node_mask, _Participation, compact_mean,
-                                         compress_nodes, select_nodes)
+from gossipjax.algorithms._compressed_mean import (check_compressor, check_mean_form, compress_with_feedback,
+                                                   mean_of_compressed)
+from gossipjax.algorithms._fragments import FRAGMENT_SPLITS, check_fragments, join_leaves, split_leaves
+from gossipjax.algorithms._outer_optimizer import check_outer_rates, check_transform
+from gossipjax.algorithms._participation import Participation, live_nodes, node_mask, participants, select_nodes
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, resolve_backend
 from gossipjax.mixing._contract import next_count
-from gossipjax.mixing._named import (node_average, node_fractions, node_index, node_shape, varies_over_nodes)
+from gossipjax.mixing._named import node_average, node_index, node_shape, varies_over_nodes
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -31,7 +35,8 @@ class StreamingDiLoCoState(NamedTuple):
     pending: each fragment's averaged pseudo-gradient, sent at its sync step and applied
       ``overlap`` steps later; shaped like the params.
     inner_state: the inner transform's state, one per node.
-    outer_states: one outer optimizer state per fragment (over that fragment's leaves).
+    outer_states: one outer optimizer state per fragment (over that fragment's pieces of
+      leaves: whole leaves with ``fragment_split="layers"``).
     residual: with a ``compressor``, each node's error-feedback residual (what its
       compressed pseudo-gradients have not sent yet), shaped like the params; else ``None``.
     key: with a ``compressor``, (nodes, 2) uint32, one PRNG key per node; else ``None``.
@@ -59,52 +64,34 @@ class StreamingDiLoCoState(NamedTuple):
   zeroes_skipped_nodes = True  # tells gj.guard_finite that a skipping node's update is zeroed before it is combined
 
 
-def fragments(leaves: list[Any], num_fragments: int) -> list[list[int]]:
-  """Splits leaf indices, in order, into ``num_fragments`` contiguous groups of about equal size."""
-  sizes = [int(jnp.size(x)) for x in leaves]
-  total, groups, current, filled = sum(sizes), [], [], 0
-  for i, size in enumerate(sizes):
-    current.append(i)
-    filled += size
-    left = num_fragments - len(groups) - 1
-    if left and (filled >= total * (len(groups) + 1) / num_fragments or len(sizes) - i - 1 == left):
-      groups.append(current)
-      current = []
-  groups.append(current)
-  return groups
+class _Step(NamedTuple):
+  """What every fragment's step reads: the shared step count, the live nodes and the nodes' keys."""
+
+  count: jax.Array
+  ok: jax.Array  # the live nodes, a bool per node
+  participation: bool  # whether some node may be down (``up`` given, or under gj.guard_finite)
+  key: Any
+  dtype: Any  # of the fractions of nodes
 
 
-def _compressed_mean(c: Compressor, backend: Backend, name: str, form: str, error_feedback: bool, pseudo_grads: list,
-                     residual: list, node_keys: jax.Array, index: Any, takes_part: _Participation | None = None
-                     ) -> tuple[list, list]:
-  """One fragment's pseudo-gradients compressed with error feedback; the mean of the decoded messages, the new residuals.
+class _Fragment(NamedTuple):
+  """One fragment's part of the state, and its pieces of the params after the inner step."""
 
-  DiLoCo's compressed mean (see `gj.outer_optimizer`): ``"reduce_scatter"`` sends compressed
-  pieces (an all-to-all, then an all-gather of the compressed piece means), ``"all_gather"``
-  every node's compact message. Node i compresses with ``fold_in(key_i, index)``. With
-  ``takes_part`` only the participants send and update their residuals, and the mean is theirs.
-  """
-  sent = [g + e for g, e in zip(pseudo_grads, residual)] if error_feedback else list(pseudo_grads)
-  if takes_part is not None:
-    sent = takes_part.zero_others(sent)
-  keys = jnp.vectorize(lambda k: jax.random.fold_in(k, index), signature="(k)->(k)")(node_keys)
-  current = mapping()
-  first = 0 if current is not None else 1  # one node's shape: without the stacked node axis
-  one_node = [jax.ShapeDtypeStruct(tuple(x.shape[first:]), jnp.dtype(x.dtype)) for x in sent]
-  compact, q, chunks = compress_nodes(c, backend, name, sent, keys, one_node, form)
-  new_residual = [v - d for v, d in zip(sent, q)] if error_feedback else residual
-  if takes_part is not None and error_feedback:
-    new_residual = select_nodes(takes_part.mask, new_residual, residual)
-  mean = compact_mean(c, backend, name, compact, keys, one_node, chunks)
-  if current is None:
-    mean = follow_placement([jnp.broadcast_to(m, x.shape) for m, x in zip(mean, q)], q)
-  return (list(mean) if takes_part is None else takes_part.divide(list(mean))), list(new_residual)
+  anchor: list
+  pending: list
+  residual: list | None
+  theta: list
+  outer_state: Any
+  outer_steps: jax.Array
+  synced: jax.Array
+  joined: jax.Array
 
 
 def streaming_diloco(
     inner: optax.GradientTransformation,
     *,
     num_fragments: int,
+    fragment_split: str = "layers",
     inner_steps: int = 100,
     overlap: int = 0,
     mixing: float = 0.0,
@@ -119,11 +106,12 @@ def streaming_diloco(
 ) -> optax.GradientTransformationExtraArgs:
   r"""Streaming DiLoCo: DiLoCo's outer step on one of F fragments of the params at a time.
 
-  Douillard et al. (2025). The params' leaves are split, in order, into F fragments of about
-  equal size. Every node runs ``inner`` on all its params at every step; fragment p is
-  synchronised every H steps, at the steps t with :math:`t \bmod H = (p+1)H/F - 1`, so the
-  fragments take turns and at most one fragment crosses the network at a time: the peak
-  bytes per step are 1/F of DiLoCo's. At its sync step the fragment's pseudo-gradients are
+  Douillard et al. (2025). The params are split, in order, into F fragments (see
+  ``fragment_split``). Every node runs ``inner`` on all its params at every step; fragment p
+  is synchronised every H steps, at the steps t with :math:`t \bmod H = (p+1)H/F - 1`, so
+  the fragments take turns and at most one fragment crosses the network at a time: the peak
+  bytes per step are the largest fragment's, 1/F of DiLoCo's when the fragments are of
+  equal size (``gj.bytes_per_step`` reports them). At its sync step the fragment's pseudo-gradients are
   averaged (one all-reduce of the fragment) and sent; ``overlap`` = :math:`\tau` steps later
   (the communication overlapping :math:`\tau` inner steps) the outer step is applied and the
   fragment's result is mixed into the local params with weight :math:`\alpha` = ``mixing``:
@@ -173,7 +161,17 @@ def streaming_diloco(
 
   Args:
     inner: the local optimizer, e.g. ``optax.adamw(4e-4)``.
-    num_fragments: F, at least 1 and at most the number of float leaves.
+    num_fragments: F, at least 1 and at most the number of float leaves (``"layers"``) or
+      of float entries a node (``"balanced"``).
+    fragment_split: how the params are cut into fragments. ``"layers"`` (the default, the
+      paper's pattern): whole leaves, in order, in groups of about equal size; a leaf is
+      never cut, so each fragment's outer step sees whole layers, but a model whose layers
+      differ in size (a wide hidden layer, a small head) gets a peak of its largest
+      fragment's bytes. ``"balanced"``: the float leaves end to end cut into F ranges of
+      equal bytes (to one entry), cutting leaves where it must, so the peak a step is 1/F of
+      DiLoCo's on any model. A fragment's sync is one exchange of its pieces either way.
+      The default keeps the paper's layer fragments, which are already equal on models
+      built of equal blocks (a transformer's layers).
     inner_steps: H, the steps between two syncs of one fragment (a multiple of F keeps the
       fragments evenly staggered).
     overlap: :math:`\tau`, in [0, H / F): the inner steps the communication overlaps.
@@ -200,9 +198,10 @@ def streaming_diloco(
 
   Raises:
     TypeError: ``inner`` is not an optax transform, or ``compressor`` is not a compressor.
-    ValueError: a count or rate is out of range, ``compressed_mean`` is neither form, or the
-      params have fewer float leaves than fragments (at ``init``); at ``update``, ``up`` is
-      not a bool per node.
+    ValueError: a count or rate is out of range, ``compressed_mean`` or ``fragment_split``
+      is none of its forms, or the params have fewer float leaves (entries, for
+      ``"balanced"``) than fragments (at ``init``); at ``update``, ``up`` is not a bool per
+      node.
 
   Example:
     Two fragments (one leaf each), H = 2: fragment 0 syncs at step 0, fragment 1 at step 1;
@@ -252,8 +251,8 @@ def streaming_diloco(
     Distributed Low-Communication Training of Language Models, arXiv:2311.08105.
   """
   name = "gj.streaming_diloco"
-  _check_transform(inner, name, "inner", "optax.adamw(4e-4)")
-  _check_outer_rates(outer_learning_rate, outer_momentum, name)
+  check_transform(inner, name, "inner", "optax.adamw(4e-4)")
+  check_outer_rates(outer_learning_rate, outer_momentum, name)
   num_fragments = check_positive_int(num_fragments, name, "num_fragments")
   period = check_period(inner_steps, name, "inner_steps")
   if not isinstance(period, int) or period < num_fragments:
@@ -263,11 +262,10 @@ def streaming_diloco(
     raise ValueError(f"{name}: overlap must be an integer in [0, inner_steps / num_fragments) = "
                      f"[0, {period // num_fragments}), got {overlap!r}")
   check_in_range(mixing, name, "mixing", 0.0, 1.0)
-  if compressed_mean not in ("reduce_scatter", "all_gather"):
-    raise ValueError(f"{name}: compressed_mean must be 'reduce_scatter' or 'all_gather', got {compressed_mean!r}")
-  if compressor is not None and not isinstance(compressor, Compressor):
-    raise TypeError(f"{name}: compressor must be a gj.compress compressor (e.g. gj.compress.qsgd(7)) or None, "
-                    f"got {type(compressor).__name__} {compressor!r}")
+  if fragment_split not in FRAGMENT_SPLITS:
+    raise ValueError(f"{name}: fragment_split must be 'layers' or 'balanced', got {fragment_split!r}")
+  check_mean_form(compressed_mean, name)
+  check_compressor(compressor, name, "gj.compress.qsgd(7)")
   with jax.ensure_compile_time_eval():  # concrete even when built inside a trace (optax.inject_hyperparams)
     base_key = _raw_key(key, name)
   backend = resolve_backend(backend)
@@ -275,136 +273,113 @@ def streaming_diloco(
   inner_pn, outer_pn = per_node(inner, backend=backend), per_node(outer, backend=backend)
   sync_at = [((p + 1) * period) // num_fragments - 1 for p in range(num_fragments)]
 
-  def groups_of(params):
-    leaves = jax.tree.leaves(params)
-    if len(leaves) < num_fragments:
-      raise ValueError(f"{name}: num_fragments={num_fragments} needs at least as many float leaves, but the params "
-                       f"have {len(leaves)}")
-    return fragments(leaves, num_fragments)
+  def plan_of(params):
+    return check_fragments(jax.tree.leaves(params), num_fragments, fragment_split, name)
 
   def init_fn(params):
-    leaves = jax.tree.leaves(params)
     anchor = jax.tree.map(jnp.copy, params)
     shape = node_shape(params)
     current = mapping()
     local = shape[0] if shape else (current.num_nodes if current is not None else 1)
     first_of_block = getattr(backend, "first_of_block", None)  # where the ranks or devices split the nodes
     index = node_index(0 if first_of_block is None else first_of_block(local), shape[0] if shape else 1)
-    groups = groups_of(params)
+    plan = plan_of(params)
     # One count per node (the product keeps it per node inside gj.nodes); two buffers each, as
     # a jitted step may donate the whole state.
     per_node_count = lambda start: follow_placement((0 * index + start).astype(jnp.int32), params)
     state = StreamingDiLoCoState(
         count=jnp.zeros([], jnp.int32), anchor=anchor, pending=jax.tree.map(jnp.zeros_like, params),
         inner_state=inner_pn.init(params),
-        outer_states=tuple(outer_pn.init([leaves[i] for i in g]) for g in groups),
-        outer_steps=tuple(jnp.zeros([], jnp.int32) for _ in groups),
-        synced=tuple(per_node_count(0) for _ in groups),
-        joined=tuple(per_node_count(-1) for _ in groups))
+        outer_states=tuple(outer_pn.init(pieces) for pieces in split_leaves(plan, jax.tree.leaves(params))),
+        outer_steps=tuple(jnp.zeros([], jnp.int32) for _ in plan),
+        synced=tuple(per_node_count(0) for _ in plan),
+        joined=tuple(per_node_count(-1) for _ in plan))
     if compressor is None:
       return state
     keys = jnp.vectorize(lambda i: jax.random.fold_in(base_key, i), signature="()->(k)")(index)
     return state._replace(residual=optax.tree.zeros_like(params), key=follow_placement(keys, params))
 
+  def fragment_mean(step: _Step, p: int, f: _Fragment, phi: list, takes_part: Participation | None) -> tuple:
+    """The fragment's pseudo-gradient averaged over the nodes (the participants), and the new residuals."""
+    if compressor is None:
+      mean = node_average(backend, f.theta, name) if takes_part is None else takes_part.mean(f.theta)
+      return [a - m for a, m in zip(phi, mean)], f.residual
+    sent = compress_with_feedback(compressor, backend, name, [a - t for a, t in zip(phi, f.theta)], f.residual,
+                                  step.key, (step.count // period) * num_fragments + p, error_feedback=error_feedback,
+                                  form=compressed_mean, takes_part=takes_part)
+    return mean_of_compressed(compressor, backend, name, sent, takes_part), sent.residual
+
+  def sync(step: _Step, p: int, own: list[bool] | None, f: _Fragment) -> _Fragment:
+    """Fragment p's sync: its pseudo-gradient averaged over the nodes that take part, pending until it lands."""
+    r = step.count // period
+    if not step.participation:
+      pending, residual = fragment_mean(step, p, f, f.anchor, None)
+      return f._replace(pending=pending, residual=residual, outer_steps=f.outer_steps + 1,
+                        joined=jnp.zeros_like(f.joined) + r)
+    # DiLoCo's rule, over this fragment: the nodes that hold its last result take part; one that
+    # missed an outer step of the fragment takes the participants' outer params and state.
+    takes_part, phi, outer_state = participants(step.ok, f.synced, f.outer_steps, f.anchor, f.outer_state, own,
+                                                backend, name, step.dtype)
+    pending, residual = fragment_mean(step, p, f, phi, takes_part)
+    anyone = takes_part.frac > 0
+    joins = step.ok & anyone
+    return f._replace(anchor=phi, pending=select_nodes(joins, pending, f.pending), residual=residual,
+                      outer_state=outer_state, outer_steps=f.outer_steps + anyone.astype(jnp.int32),
+                      joined=jnp.where(joins, r, f.joined))
+
+  def land(step: _Step, own: list[bool] | None, f: _Fragment) -> _Fragment:
+    """``overlap`` steps after the sync: the outer step, on the nodes that took part and are live."""
+    steps, new_state = outer_pn.update(f.pending, f.outer_state, f.anchor)
+    new_phi = [a + s.astype(a.dtype) for a, s in zip(f.anchor, jax.tree.leaves(steps))]
+    new_theta = [mixing * t + (1 - mixing) * a for t, a in zip(f.theta, new_phi)]
+    if not step.participation:
+      return f._replace(anchor=new_phi, theta=new_theta, outer_state=new_state, synced=f.synced + 1)
+    receives = step.ok & (f.joined == (step.count - overlap) // period)
+    return f._replace(anchor=select_nodes(receives, new_phi, f.anchor), theta=select_nodes(receives, new_theta, f.theta),
+                      outer_state=select_nodes(receives, new_state, f.outer_state, own),
+                      synced=jnp.where(receives, f.outer_steps, f.synced))
+
+  def fragment_step(step: _Step, p: int, f: _Fragment) -> _Fragment:
+    """Fragment p at one inner step: its sync at phase ``sync_at[p]``, its outer step ``overlap`` steps later."""
+    # Which leaves of the outer state are one node's own (inside gj.nodes), read here: a cond's
+    # branch is traced before it is mapped.
+    own = varies_over_nodes(f.outer_state, unknown=True) if mapping() is not None else None
+    phase = step.count % period
+    f = lax.cond(phase == sync_at[p], functools.partial(sync, step, p, own), lambda f: f, f)
+    lands = (phase == (sync_at[p] + overlap) % period) & (step.count >= sync_at[p] + overlap)
+    return lax.cond(lands, functools.partial(land, step, own), lambda f: f, f)
+
   def update_fn(updates, state, params=None, skip_nodes: SkipNodes | None = None, up: Any = None, **extra_args):
     require_params(params, name)
     for fault_arg in ("loss_key", "loss_prob", "delivered"):  # gj.asynchrony.synchronous's, for gj.asynchrony.faulty_mix
       extra_args.pop(fault_arg, None)
-    up = None if up is None else _node_mask(up, params, name)
+    up = None if up is None else node_mask(up, params, name)
     inner_updates, inner_state = inner_pn.update(updates, state.inner_state, params, **extra_args)
     inner_updates = jax.tree.map(lambda u, x: u.astype(x.dtype), inner_updates, params)
-    in_mapping = mapping() is not None
     participation = up is not None or skip_nodes is not None
-    ok = jnp.ones(node_shape(params), bool)
+    ok = live_nodes(up, skip_nodes, params)
     if participation:  # a node that is down (or skips, under gj.guard_finite) neither computes nor changes
-      ok = ok if up is None else up
-      if skip_nodes is not None:
-        ok = ok & ~skip_nodes.mask
-      own_inner = varies_over_nodes(inner_state, unknown=True) if in_mapping else None
+      own_inner = varies_over_nodes(inner_state, unknown=True) if mapping() is not None else None
       inner_state = select_nodes(ok, inner_state, state.inner_state, own_inner)
       inner_updates = select_nodes(ok, inner_updates, jax.tree.map(jnp.zeros_like, inner_updates))
-    treedef = jax.tree.structure(params)
-    x = jax.tree.leaves(params)
+    treedef, x = jax.tree.structure(params), jax.tree.leaves(params)
     theta = [p + u for p, u in zip(x, jax.tree.leaves(inner_updates))]
-    anchor, pending = jax.tree.leaves(state.anchor), jax.tree.leaves(state.pending)
-    residual = None if compressor is None else jax.tree.leaves(state.residual)
-    outer_states, outer_steps = list(state.outer_states), list(state.outer_steps)
-    synced, joined = list(state.synced), list(state.joined)
-    # Which leaves of the outer states are one node's own (inside gj.nodes), read here: a cond's
-    # branch is traced before it is mapped.
-    own_outer = [varies_over_nodes(s, unknown=True) if in_mapping else None for s in outer_states]
+    anchor = jax.tree.leaves(state.anchor)
     dtype = jnp.result_type(jnp.float32, *[a.dtype for a in anchor])
-    count, phase = state.count, state.count % period
-    for p, group in enumerate(groups_of(params)):
-      th_p = [theta[i] for i in group]
-
-      def send(operands, p=p, th_p=th_p):
-        """The fragment's sync: its pseudo-gradient averaged over the nodes that take part."""
-        phi, pend, res, outer_state, steps, syn, jnd = operands
-        r = count // period
-        if not participation:
-          if compressor is None:
-            new_pend = [a - m for a, m in zip(phi, node_average(backend, th_p, name))]
-          else:
-            new_pend, res = _compressed_mean(compressor, backend, name, compressed_mean, error_feedback,
-                                             [a - t for a, t in zip(phi, th_p)], res, state.key,
-                                             r * num_fragments + p)
-          return phi, new_pend, res, outer_state, steps + 1, syn, jnp.zeros_like(jnd) + r
-        # DiLoCo's rule: the nodes that hold the fragment's last result take part; one that
-        # missed an outer step of the fragment takes the participants' outer params and state.
-        current = syn == steps
-        frac_current, frac_ok, frac_stale = node_fractions(backend, (ok & current, ok, ok & ~current), name, dtype)
-        anyone_current = frac_current > 0
-        mask = ok & (current | ~anyone_current)  # nobody current (all held back alike): every live node
-        takes_part = _Participation(mask, jnp.where(anyone_current, frac_current, frac_ok), backend, name)
-        own_state = own_outer[p]
-        own = None if own_state is None else [True] * len(phi) + own_state
-
-        def rejoin(phi_and_state):
-          return select_nodes(ok & ~mask, takes_part.mean(phi_and_state, own), phi_and_state, own)
-
-        phi, outer_state = lax.cond(anyone_current & (frac_stale > 0), rejoin, lambda o: o, (phi, outer_state))
-        if compressor is None:
-          new_pend = [a - m for a, m in zip(phi, takes_part.mean(th_p))]
-        else:
-          new_pend, res = _compressed_mean(compressor, backend, name, compressed_mean, error_feedback,
-                                           [a - t for a, t in zip(phi, th_p)], res, state.key,
-                                           r * num_fragments + p, takes_part)
-        anyone = takes_part.frac > 0
-        joins = ok & anyone
-        return (phi, select_nodes(joins, new_pend, pend), res, outer_state, steps + anyone.astype(jnp.int32), syn,
-                jnp.where(joins, r, jnd))
-
-      frag_res = None if residual is None else [residual[i] for i in group]
-      phi, frag_pending, frag_res, outer_states[p], outer_steps[p], synced[p], joined[p] = lax.cond(
-          phase == sync_at[p], send, lambda operands: operands,
-          ([anchor[i] for i in group], [pending[i] for i in group], frag_res, outer_states[p], outer_steps[p],
-           synced[p], joined[p]))
-
-      def land(operands, p=p, pend=frag_pending):
-        """``overlap`` steps after the sync: the outer step, on the nodes that took part and are live."""
-        phi, th, outer_state, syn = operands
-        steps, new_state = outer_pn.update(pend, outer_state, phi)
-        new_phi = [a + s.astype(a.dtype) for a, s in zip(phi, jax.tree.leaves(steps))]
-        new_th = [mixing * t + (1 - mixing) * a for t, a in zip(th, new_phi)]
-        if not participation:
-          return new_phi, new_th, new_state, syn + 1
-        receives = ok & (joined[p] == (count - overlap) // period)
-        return (select_nodes(receives, new_phi, phi), select_nodes(receives, new_th, th),
-                select_nodes(receives, new_state, outer_state, own_outer[p]), jnp.where(receives, outer_steps[p], syn))
-
-      phi, th, outer_states[p], synced[p] = lax.cond(
-          (phase == (sync_at[p] + overlap) % period) & (count >= sync_at[p] + overlap), land, lambda o: o,
-          (phi, th_p, outer_states[p], synced[p]))
-      for k, i in enumerate(group):
-        anchor[i], theta[i], pending[i] = phi[k], th[k], frag_pending[k]
-        if residual is not None and frag_res is not None:
-          residual[i] = frag_res[k]
-    new_updates = zero_skipped(jax.tree.unflatten(treedef, [t - p for t, p in zip(theta, x)]), skip_nodes)
+    step = _Step(state.count, ok, participation, state.key, dtype)
+    plan = plan_of(params)
+    pieces = lambda tree: split_leaves(plan, jax.tree.leaves(tree))
+    no_residual = [None] * len(plan)
+    fragments = [fragment_step(step, p, _Fragment(*f)) for p, f in enumerate(zip(
+        pieces(state.anchor), pieces(state.pending), no_residual if compressor is None else pieces(state.residual),
+        split_leaves(plan, theta), state.outer_states, state.outer_steps, state.synced, state.joined))]
+    leaves = lambda field: jax.tree.unflatten(treedef, join_leaves(plan, [getattr(f, field) for f in fragments], x))
+    new_updates = zero_skipped(jax.tree.map(lambda t, p: t - p, leaves("theta"), params), skip_nodes)
     return new_updates, StreamingDiLoCoState(
-        count=next_count(state.count), anchor=jax.tree.unflatten(treedef, anchor),
-        pending=jax.tree.unflatten(treedef, pending), inner_state=inner_state, outer_states=tuple(outer_states),
-        residual=None if residual is None else jax.tree.unflatten(treedef, residual), key=state.key,
-        outer_steps=tuple(outer_steps), synced=tuple(synced), joined=tuple(joined))
+        count=next_count(state.count), anchor=leaves("anchor"), pending=leaves("pending"), inner_state=inner_state,
+        outer_states=tuple(f.outer_state for f in fragments),
+        residual=None if compressor is None else leaves("residual"), key=state.key,
+        outer_steps=tuple(f.outer_steps for f in fragments), synced=tuple(f.synced for f in fragments),
+        joined=tuple(f.joined for f in fragments))
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn))

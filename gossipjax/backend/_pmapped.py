@@ -8,6 +8,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_batching import custom_vmap
 
 from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, vmap_nodes
@@ -19,22 +20,40 @@ from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTabl
 from gossipjax.topology import Topology
 
 
+def _shadowed(axis: str) -> bool:
+  """Whether the innermost binding of ``axis`` here is a ``jax.vmap``'s (whose index is batched), not the pmap's."""
+  found: list[bool] = []
+
+  @custom_vmap
+  def probe(index):
+    return index
+
+  @probe.def_vmap
+  def rule(axis_size, in_batched, index):
+    del axis_size
+    found.append(bool(in_batched[0]))
+    return index, in_batched[0]
+
+  probe(lax.axis_index(axis))
+  return any(found)
+
+
 def check_pmap_size(axis: str, num_devices: int, block: int) -> None:
   """Refuses a pmap over ``axis`` whose size is not the ``num_devices`` the backend was built for.
 
-  ``lax.axis_size`` reads the innermost axis of that name. A user's own ``jax.vmap`` around the
-  step with the pmap axis's name would hide it, and a mean scaled by the block's size would be
-  silently wrong, so that is refused with the way out.
+  ``lax.axis_size`` reads the innermost axis of that name. A user's own ``jax.vmap`` inside the
+  pmap with the pmap axis's name would take its place, and the exchanges and means would run
+  over the user's axis: that is refused, whatever the sizes, with the way out.
   """
+  del block
+  if _shadowed(axis):
+    raise ValueError(f"gj.backend.pmapped: this step runs inside a jax.vmap whose axis is named {axis!r}, the name of "
+                     f"the pmap axis the backend exchanges over, which it hides; name your vmap's axis otherwise, e.g. "
+                     "jax.vmap(..., axis_name='ensemble')")
   size = lax.axis_size(axis)
-  if size == num_devices:
-    return
-  if size == block:
-    raise ValueError(
-        f"gj.backend.pmapped: an axis inside the pmap is also named {axis!r}, which hides the pmap's (its size reads {size}, this device's block, not the backend's {num_devices} devices); "
-        f"name the pmap axis otherwise: jax.pmap(..., axis_name='devices') with gj.backend.pmapped('devices')")
-  raise ValueError(f"gj.backend.pmapped: the pmap over {axis!r} has {size} devices but the backend was built for "
-                   f"{num_devices}; pass gj.backend.pmapped(axis_size={size})")
+  if size != num_devices:
+    raise ValueError(f"gj.backend.pmapped: the pmap over {axis!r} has {size} devices but the backend was built for "
+                     f"{num_devices}; pass gj.backend.pmapped(axis_size={size})")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -34,6 +34,23 @@ def _explicit(mesh: Mesh, axis: str) -> bool:
   return dict(zip(mesh.axis_names, mesh.axis_types)).get(axis) == jax.sharding.AxisType.Explicit
 
 
+def check_axes_free(mesh: Mesh, where: str) -> None:
+  """Refuses a call made where one of the mesh's axis names is already bound, by a ``jax.vmap`` of the user's.
+
+  The backend's exchanges run over the mesh's axes inside a ``shard_map``; an enclosing
+  mapping of the same name would take their place, and the gossip would land on the user's
+  axis. Any other name works: the exchanges then see the whole mesh.
+  """
+  for name in mesh.axis_names:
+    try:
+      size = lax.axis_size(name)
+    except NameError:  # not bound here: the usual case
+      continue
+    raise ValueError(f"{where}: this call runs inside a mapping over an axis named {name!r} (of size {size}), which "
+                     f"is also the name of the mesh axis the backend exchanges over; name your axis otherwise, "
+                     "e.g. jax.vmap(..., axis_name='ensemble')")
+
+
 def conform(tree: Any, mesh: Mesh, specs: Any) -> Any:
   """Puts each leaf where its spec says before a ``shard_map``, so unplaced params are placed, not refused.
 
@@ -179,6 +196,7 @@ class ShardedMixer:
 
     leaves, treedef = jax.tree.flatten(tree)
     where = f"gj.backend.sharded(mesh, axis={axis!r})"
+    check_axes_free(self.mesh, where)
     # A node spanning devices splits its messages over them where every leaf is a whole copy on
     # each of its devices (laid out P(axis), or hidden by an Auto mesh under jit); rounds taken
     # apart send whole copies of dense rows.
@@ -361,6 +379,7 @@ class Sharded:
 
   def mean(self, tree: Any) -> Any:
     axis = self.axis
+    check_axes_free(self.mesh, f"gj.backend.sharded(mesh, axis={axis!r}).mean")
     leaves = jax.tree.leaves(tree)
     note_mean(tree, jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else 1)
 
@@ -383,6 +402,7 @@ class Sharded:
   def gather(self, tree: Any) -> Any:
     """Every node's values, on every device (an all-gather over the node axis), replicated."""
     axis = self.axis
+    check_axes_free(self.mesh, f"gj.backend.sharded(mesh, axis={axis!r}).gather")
     leaves = jax.tree.leaves(tree)
     note_gather(tree, jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else 1)
     # The gathered rows are the same on every device: replicated, which shard_map cannot infer.
@@ -394,6 +414,7 @@ class Sharded:
     """Node j's piece j of every node: leaves ``(b, n, ...)`` (piece k of local node i at ``[i, k]``) become
     ``(b, n, ...)`` with ``[i, s]`` the piece of local node i that node s sent."""
     axis = self.axis
+    check_axes_free(self.mesh, f"gj.backend.sharded(mesh, axis={axis!r}).all_to_all")
     note_all_to_all(tree)
 
     def body(x):  # (b, n, ...) -> pieces for each device's b nodes -> (n senders, b, ...) -> (b, n, ...)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
+
+from gossipjax import layers
 
 
 class MLP(nn.Module):
@@ -45,6 +47,8 @@ class CNN(nn.Module):
     num_classes: outputs of the head.
     image_shape: ``(height, width, channels)`` to unflatten inputs given as ``(..., features)``
       (the bundled digits are 64 features, ``(8, 8, 1)``); ``None`` when inputs are images.
+    conv_general_dilated: the convolution, ``gj.layers.conv_general_dilated`` (whose per-node weight
+      gradient runs as matrix products on a GPU, XLA's convolution elsewhere) unless given.
 
   Example:
     The bundled digits, given flat:
@@ -60,13 +64,14 @@ class CNN(nn.Module):
   features: Sequence[int] = (8, 16)
   num_classes: int = 10
   image_shape: tuple[int, int, int] | None = None
+  conv_general_dilated: Any = layers.conv_general_dilated
 
   @nn.compact
   def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
     if self.image_shape is not None:
       x = x.reshape(x.shape[:-1] + tuple(self.image_shape))
     for width in self.features:
-      x = nn.relu(nn.Conv(width, (3, 3))(x))
+      x = nn.relu(nn.Conv(width, (3, 3), conv_general_dilated=self.conv_general_dilated)(x))
     x = nn.avg_pool(x, (2, 2), (2, 2))
     x = x.reshape(x.shape[:-3] + (-1,))
     return nn.Dense(self.num_classes)(x)

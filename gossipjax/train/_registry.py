@@ -64,6 +64,8 @@ class AlgorithmOptions:
     overlap: Streaming DiLoCo: tau, the inner steps a fragment's communication overlaps.
     mixing: Streaming DiLoCo: alpha, the weight of the local params when a fragment's result
       is merged in.
+    fragment_split: Streaming DiLoCo: ``"layers"`` (whole leaves) or ``"balanced"`` (equal
+      bytes, cutting leaves).
   """
 
   compressor: str = "top_k"
@@ -76,6 +78,7 @@ class AlgorithmOptions:
   num_fragments: int = 4
   overlap: int = 1
   mixing: float = 0.5
+  fragment_split: str = "layers"
 
 
 def _outer_momentum(o: AlgorithmOptions, default: float) -> dict:
@@ -112,7 +115,7 @@ ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
         optax.adamw(lr, b1=beta), topo, inner_steps=o.inner_steps, backend=be, **_outer_momentum(o, 0.5)),
     "streaming_diloco": lambda topo, lr, beta, be, o: gj.streaming_diloco(
         optax.adamw(lr, b1=beta), num_fragments=o.num_fragments, inner_steps=o.inner_steps, overlap=o.overlap,
-        mixing=o.mixing, backend=be, **_outer_momentum(o, 0.9)),
+        mixing=o.mixing, fragment_split=o.fragment_split, backend=be, **_outer_momentum(o, 0.9)),
 }
 
 # The momentum each algorithm runs with, for legends: the --beta flag, none, or a fixed value.

@@ -5,7 +5,8 @@ Launched by ``tests/algorithms/test_outer.py``; rank 0 prints one ``OK`` line pe
 a rank with a mismatch, or with an MPI call outside the outer step (for Streaming DiLoCo: outside
 a fragment's sync, one cond per fragment), exits non-zero. Streaming DiLoCo also runs with nodes
 down (each rank passes its block of ``up``; a node rejoins from a participant on the other rank)
-and with compressed fragments (the reduce-scatter's all-to-all and all-gather between the ranks).
+with compressed fragments (the reduce-scatter's all-to-all and all-gather between the ranks), and with
+fragments balanced by bytes (pieces of a leaf).
 """
 
 import sys
@@ -55,7 +56,11 @@ def main() -> int:
   methods["streaming_diloco_top_k"] = lambda be: by_column(gj.streaming_diloco(
       optax.adam(0.05), num_fragments=2, inner_steps=4, overlap=1, mixing=0.3, backend=be,
       compressor=gj.compress.top_k(0.5)), width=8)
-  fragments = {"streaming_diloco": 2, "streaming_diloco_up": 2, "streaming_diloco_top_k": 2}
+  # Balanced by bytes, the one (nodes, 3) leaf is cut into [x0, x1] and [x2]: each sync all-reduces a piece of it.
+  methods["streaming_diloco_balanced"] = lambda be: gj.streaming_diloco(
+      optax.adam(0.05), num_fragments=2, fragment_split="balanced", inner_steps=4, overlap=1, mixing=0.3, backend=be)
+  fragments = {"streaming_diloco": 2, "streaming_diloco_up": 2, "streaming_diloco_top_k": 2,
+               "streaming_diloco_balanced": 2}
   narrow = cases.problem(n)
   rng = np.random.default_rng(7)
   wide = (rng.normal(size=(n, 16)), rng.normal(size=(n, 6, 16)), rng.normal(size=(n, 6)) + np.arange(n)[:, None])

@@ -1,0 +1,206 @@
+"""A convolution whose per-node weight gradient is a sum of shifted matrix products.
+
+``vmap`` over nodes turns a convolution's weight gradient into a grouped convolution whose window is the whole
+image (one group per node); XLA:GPU runs that as a forward cuDNN convolution at a fraction of the speed of a
+backward-filter kernel. Written as one matrix product per kernel offset, contracting the batch and the space of the
+shifted, padded input against the output cotangent, the same gradient maps over nodes as batched matrix products.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+WEIGHT_GRADS = ("auto", "shifted", "xla")
+_LOW_PRECISION = (jnp.bfloat16, jnp.float16)
+
+
+def conv_general_dilated(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    window_strides: Sequence[int],
+    padding: str | Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+    *,
+    weight_grad: Literal["auto", "shifted", "xla"] = "auto",
+) -> jax.Array:
+  """``jax.lax.conv_general_dilated`` with a weight gradient that maps over nodes at a GPU's speed.
+
+  The value, the forward pass and the gradient with respect to ``lhs`` are XLA's. The tangent in ``rhs`` (the
+  kernel) is written as a sum over kernel offsets of matrix products of the shifted, padded input against the
+  kernel's slice at that offset, so that reverse mode transposes it into the weight gradient
+
+  .. math::
+
+     \\frac{\\partial L}{\\partial w_{k}} = \\sum_{b,\\,s} x^{\\text{pad}}_{b,\\ s \\cdot \\text{stride} + k}
+     \\otimes \\frac{\\partial L}{\\partial y_{b,\\,s}},
+
+  one matrix product per offset ``k`` contracting batch and space, where XLA's own transpose is a convolution whose
+  window is the whole image. Under ``jax.vmap`` over nodes these become batched matrix products; XLA's form becomes
+  a grouped convolution (``feature_group_count`` = nodes) that XLA:GPU runs as a slow forward cuDNN kernel.
+
+  Forward mode works: the function is a ``jax.custom_jvp`` whose tangent is linear in both arguments, so
+  ``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``, ``jax.hessian`` and higher derivatives go through it.
+  Low precision (bfloat16, float16 inputs without a ``preferred_element_type``): each offset's product is a 16-bit
+  matrix product, which a GPU's matrix units accumulate in float32, the sum over offsets is in float32, and the
+  weight gradient comes back in the kernel's dtype. (A float32 ``preferred_element_type`` on the products would
+  turn the weight gradient into a float32 x float32 product, the 16-bit operands cast up.) With a
+  ``preferred_element_type``, the products accumulate in it.
+
+  Where there is no shifted form (``lhs_dilation`` or ``rhs_dilation`` other than 1, ``feature_group_count`` or
+  ``batch_group_count`` above 1, or an ``out_sharding``), this is exactly ``lax.conv_general_dilated``.
+
+  Args:
+    lhs: the input, with 1, 2 or 3 spatial dimensions.
+    rhs: the kernel.
+    window_strides: the strides, one per spatial dimension.
+    padding: ``"SAME"``, ``"SAME_LOWER"``, ``"VALID"`` or explicit ``(low, high)`` pairs.
+    lhs_dilation: as for ``jax.lax.conv_general_dilated``.
+    rhs_dilation: as for ``jax.lax.conv_general_dilated``.
+    dimension_numbers: any of ``jax.lax.conv_general_dilated``'s (``("NHWC", "HWIO", "NHWC")`` in flax).
+    feature_group_count: as for ``jax.lax.conv_general_dilated``.
+    batch_group_count: as for ``jax.lax.conv_general_dilated``.
+    precision: as for ``jax.lax.conv_general_dilated``; the shifted products take it too.
+    preferred_element_type: as for ``jax.lax.conv_general_dilated``; the shifted products accumulate in it.
+    out_sharding: as for ``jax.lax.conv_general_dilated``.
+    weight_grad: ``"auto"`` (the default) chooses when the program is lowered: the shifted form on
+      ``cuda`` and ``rocm``, XLA's on every other platform (on XLA:CPU the shifted form is not faster);
+      ``"shifted"`` forces the shifted form, ``"xla"`` XLA's (``lax.conv_general_dilated`` itself).
+
+  Returns:
+    The convolution, equal to ``lax.conv_general_dilated``'s.
+
+  Example:
+    A drop-in replacement in flax: ``nn.Conv(..., conv_general_dilated=gj.layers.conv_general_dilated)``
+    (linen) or ``nnx.Conv(..., conv_general_dilated=gj.layers.conv_general_dilated, rngs=rngs)`` (NNX).
+
+    >>> import jax, jax.numpy as jnp
+    >>> import gossipjax as gj
+    >>> x = jnp.ones((2, 8, 8, 3)); w = jnp.ones((3, 3, 3, 4))
+    >>> conv = lambda w: gj.layers.conv_general_dilated(
+    ...     x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), weight_grad="shifted")
+    >>> ref = lambda w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    >>> bool(jnp.allclose(jax.grad(lambda w: conv(w).sum())(w), jax.grad(lambda w: ref(w).sum())(w)))
+    True
+  """
+  if weight_grad not in WEIGHT_GRADS:
+    raise ValueError(f"weight_grad must be one of {WEIGHT_GRADS}, got {weight_grad!r}")
+  xla = functools.partial(
+      lax.conv_general_dilated, window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
+      rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
+      batch_group_count=batch_group_count, precision=precision, preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding)
+  plain = (feature_group_count != 1 or batch_group_count != 1 or out_sharding is not None
+           or any(d != 1 for d in (lhs_dilation or ())) or any(d != 1 for d in (rhs_dilation or ())))
+  if weight_grad == "xla" or plain:
+    return xla(lhs, rhs)
+  spec = _spec(lhs.shape, rhs.shape, tuple(window_strides), padding, dimension_numbers)
+  shifted = _shifted_conv(spec, _hashable(precision), preferred_element_type)
+  if weight_grad == "shifted":
+    return shifted(lhs, rhs)
+  return lax.platform_dependent(lhs, rhs, cuda=shifted, rocm=shifted, default=xla)
+
+
+def _spec(lhs_shape, rhs_shape, strides, padding, dimension_numbers):
+  """The geometry, normalised and hashable: dimension numbers, strides, explicit pads, kernel and output sizes."""
+  dn = lax.conv_dimension_numbers(lhs_shape, rhs_shape, dimension_numbers)
+  spatial = len(lhs_shape) - 2
+  in_sizes = tuple(lhs_shape[d] for d in dn.lhs_spec[2:])
+  kernel = tuple(rhs_shape[d] for d in dn.rhs_spec[2:])
+  if len(strides) != spatial:
+    raise ValueError(f"window_strides must have one entry per spatial dimension ({spatial}), got {strides}")
+  if isinstance(padding, str):
+    pads = tuple(lax.padtype_to_pads(in_sizes, kernel, strides, padding))
+  else:
+    pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+  out = tuple((n + lo + hi - k) // s + 1 for n, (lo, hi), k, s in zip(in_sizes, pads, kernel, strides))
+  return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec), strides, pads, kernel, out
+
+
+def _hashable(precision):
+  return tuple(precision) if isinstance(precision, list) else precision
+
+
+@functools.lru_cache(maxsize=512)
+def _shifted_conv(spec, precision, preferred_element_type):
+  """The custom_jvp convolution for one geometry: XLA's value, the kernel's tangent as shifted products."""
+  lhs_spec, rhs_spec, out_spec, strides, pads, _, _ = spec
+
+  def xla(lhs, rhs):
+    return lax.conv_general_dilated(
+        lhs, rhs, strides, pads, dimension_numbers=lax.ConvDimensionNumbers(lhs_spec, rhs_spec, out_spec),
+        precision=precision, preferred_element_type=preferred_element_type)
+
+  @jax.custom_jvp
+  def conv(lhs, rhs):
+    return xla(lhs, rhs)
+
+  def jvp(primals, tangents):
+    lhs, rhs = primals
+    lhs_dot, rhs_dot = tangents
+    out = xla(lhs, rhs)
+    terms = []
+    if not isinstance(lhs_dot, SymbolicZero):
+      terms.append(xla(lhs_dot, rhs))
+    if not isinstance(rhs_dot, SymbolicZero):
+      terms.append(_kernel_tangent(lhs, rhs_dot, spec, precision, preferred_element_type, out.dtype))
+    return out, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(out)
+
+  conv.defjvp(jvp, symbolic_zeros=True)
+  return conv
+
+
+def _kernel_tangent(lhs, rhs_dot, spec, precision, preferred_element_type, out_dtype):
+  """``conv(lhs, rhs_dot)`` as a sum over kernel offsets of (shifted input) @ (kernel slice).
+
+  Linear in ``rhs_dot``; its transpose, which reverse mode takes, is the weight gradient: per offset, one
+  ``dot_general`` of the shifted input against the cotangent contracting batch and space.
+  """
+  lhs_spec, rhs_spec, out_spec, strides, pads, kernel, out_sizes = spec
+  # Low precision: each product keeps the inputs' dtype, so that its transpose (the weight gradient) multiplies
+  # two 16-bit operands (the GPU's matrix units accumulate them in float32); the sum over offsets is in float32.
+  low = preferred_element_type is None and jnp.dtype(lhs.dtype) in map(jnp.dtype, _LOW_PRECISION)
+  config = [(0, 0, 0)] * lhs.ndim
+  for d, (lo, hi) in zip(lhs_spec[2:], pads):
+    config[d] = (lo, hi, 0)
+  padded = lax.pad(lhs, jnp.zeros((), lhs.dtype), config)
+  lhs_feature, rhs_in = lhs_spec[1], rhs_spec[1]
+  # rhs_dot at one offset keeps its two feature dims in their order; the input feature's place among them:
+  w_in = 0 if rhs_in < rhs_spec[0] else 1
+  total = None
+  for offset in itertools.product(*map(range, kernel)):
+    start, limit, step = [0] * lhs.ndim, list(padded.shape), [1] * lhs.ndim
+    for d, k, n, s in zip(lhs_spec[2:], offset, out_sizes, strides):
+      start[d], limit[d], step[d] = k, k + (n - 1) * s + 1, s
+    shifted = lax.slice(padded, start, limit, step)
+    w_start, w_limit = [0] * rhs_dot.ndim, list(rhs_dot.shape)
+    for d, k in zip(rhs_spec[2:], offset):
+      w_start[d], w_limit[d] = k, k + 1
+    w = lax.squeeze(lax.slice(rhs_dot, w_start, w_limit), rhs_spec[2:])
+    term = lax.dot_general(shifted, w, (((lhs_feature,), (w_in,)), ((), ())),
+                           precision=precision, preferred_element_type=preferred_element_type)
+    term = term.astype(jnp.float32) if low else term
+    total = term if total is None else total + term
+  assert total is not None
+  # total's dims: lhs's dims but its feature (batch and space, in lhs order), then the output feature.
+  kept = [d for d in range(lhs.ndim) if d != lhs_feature]
+  role = {lhs_spec[0]: "batch", **{d: i for i, d in enumerate(lhs_spec[2:])}}
+  position = {role[d]: i for i, d in enumerate(kept)} | {"feature": lhs.ndim - 1}
+  out_roles = [None] * lhs.ndim
+  out_roles[out_spec[0]], out_roles[out_spec[1]] = "batch", "feature"
+  for i, d in enumerate(out_spec[2:]):
+    out_roles[d] = i
+  return lax.transpose(total, [position[r] for r in out_roles]).astype(out_dtype)
