@@ -14,6 +14,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from gossipjax._axis import NodeAxis, mapped, mapping, settle_shared, shared_leaves
+from gossipjax.backend._base import mesh_of_explicit
 from gossipjax.backend._sharded import conform, leaf_spec
 from gossipjax.mixing import follow_placement, resolve_backend
 
@@ -118,10 +119,9 @@ class _NodeMap:
       jitted = jax.jit(call)
       if key is not None:
         self._compiled[key] = jitted
-    if self.mesh is not None and jax.sharding.AxisType.Explicit in self.mesh.axis_types:
-      with jax.set_mesh(self.mesh):
-        return jitted(*args)
-    return jitted(*args)
+    with mesh_of_explicit(self.mesh, args):  # the backend's mesh, or the one the params are placed on
+      out = jitted(*args)
+    return out
 
   # -- the state's layout, decided once by init ---------------------------------------------------
 

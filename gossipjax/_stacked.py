@@ -7,7 +7,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from gossipjax.backend._base import auto_where_explicit
 from gossipjax.backend._precision import mean_terms
 
 def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: int, same_init: bool = True) -> Any:
@@ -39,6 +41,10 @@ def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: i
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_nodes,) + jnp.shape(x)).copy(), params)
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_nodes))
   return jax.vmap(init_fn)(keys)
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
 
 
 def _is_float(x: Any) -> bool:
@@ -101,7 +107,9 @@ def node_mean(tree: Any) -> Any:
   # Measured from node 0 and scaled before the sum: nodes that agree give node 0's value
   # exactly, and nodes near the dtype's largest value keep a finite mean.
   mean = lambda x: (x[0] + jnp.sum(mean_terms(x - x[:1], x.shape[0]), axis=0)).astype(x.dtype)
-  return jax.tree.map(lambda x: mean(x) if _is_float(x) else x[0], tree)
+  # On a mesh, each result keeps its leaf's layout on the other mesh axes.
+  return auto_where_explicit(lambda t: jax.tree.map(lambda x: mean(x) if _is_float(x) else x[0], t), tree,
+                             lambda specs: jax.tree.map(lambda s: P(*s[1:]), specs, is_leaf=_is_spec))
 
 
 def consensus_distance(tree: Any) -> jax.Array:
@@ -147,7 +155,8 @@ def consensus_distance(tree: Any) -> jax.Array:
     d = d - jnp.sum(mean_terms(d, x.shape[0]), axis=0, keepdims=True)
     return jnp.sum(jnp.real(d * jnp.conj(d)) / x.shape[0]).astype(dtype)
 
-  return sum((leaf(x) for x in floats), start=jnp.zeros([], dtype))
+  return auto_where_explicit(lambda xs: sum((leaf(x) for x in xs), start=jnp.zeros([], dtype)), floats,
+                             lambda specs: P())
 
 
 def nonfinite_nodes(tree: Any) -> np.ndarray:
@@ -174,7 +183,7 @@ def nonfinite_nodes(tree: Any) -> np.ndarray:
   for _, x in _node_leaves(tree, "gj.nonfinite_nodes"):
     if not _is_float(x):
       continue
-    b = ~jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
+    b = ~jnp.isfinite(x).all(axis=tuple(range(1, x.ndim)))  # a reduction, not a reshape: a leaf may be model-split
     bad = b if bad is None else bad | b
   return np.flatnonzero(np.asarray(bad)) if bad is not None else np.array([], int)
 

@@ -18,14 +18,35 @@ import numpy as np
 from gossipjax._axis import mapping
 
 
-def check_in_range(value: Any, name: str, arg: str, low: float, high: float, low_open: bool = False) -> None:
-  """Raises ``ValueError`` when the number ``arg`` lies outside ``[low, high]`` (``(low, high]``)."""
+def check_in_range(value: Any, name: str, arg: str, low: float, high: float, low_open: bool = False,
+                   high_open: bool = False) -> None:
+  """Raises ``ValueError`` when the number ``arg`` lies outside ``[low, high]``, written as the docstrings write it.
+
+  ``low_open`` / ``high_open`` exclude an end: ``(0, 1]`` for a step size, ``[0, 1)`` for a
+  momentum. Python and NumPy numbers are read alike; a traced value is left to the caller.
+  """
   v = _concrete_scalar(value, name, arg)
   if v is None:
     return
-  if not np.isfinite(v) or v > high or v < low or (low_open and v == low):
-    bracket = "(" if low_open else "["
-    raise ValueError(f"{name}: {arg} must be in {bracket}{low}, {high}], got {value!r}")
+  if not np.isfinite(v) or v > high or v < low or (low_open and v == low) or (high_open and v == high):
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    raise ValueError(f"{name}: {arg} must be in {interval}, got {_shown(value)}")
+
+
+def is_integer(value: Any) -> bool:
+  """Whether ``value`` is an integer as a hyperparameter takes one: a Python or NumPy integer, not a bool."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_zero(value: Any) -> bool:
+  """Whether ``value`` is a Python or NumPy number equal to 0 (arrays, traced or not, are not: they may change)."""
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)) \
+      and value == 0
+
+
+def _shown(value: Any) -> str:
+  """A number as a message shows it: ``3``, ``1.5`` (NumPy scalars without their type's name)."""
+  return repr(value.item()) if isinstance(value, np.generic) else repr(value)
 
 
 MAX_PERIOD = 2**31 - 1  # the largest period an int32 step counter reaches
@@ -39,15 +60,16 @@ def check_period(value: Any, name: str, arg: str = "every") -> int | jax.Array:
   under ``jit``) is used as a traced period, so it can change without a recompile. The step
   counter it is compared with is an int32, so a period must stay below ``2**31``.
   """
-  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+  if isinstance(value, (jax.Array, np.ndarray)):
     if np.ndim(value) or not jnp.issubdtype(value.dtype, jnp.integer):
       raise TypeError(f"{name}: {arg} must be an integer, got an array of {value.dtype} and shape {np.shape(value)}; "
                       f"under optax.inject_hyperparams pass it as a static argument (static_args=('{arg}',))")
     if isinstance(value, jax.core.Tracer):
       return value
     value = int(value)
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"{name}: {arg} must be a positive integer, got {value!r}")
+  if not is_integer(value) or value < 1:
+    raise ValueError(f"{name}: {arg} must be a positive integer, got {_shown(value)}")
+  value = int(value)
   if value > MAX_PERIOD:
     raise ValueError(f"{name}: {arg} must be at most 2**31 - 1 = {MAX_PERIOD} (the step counter is an int32), "
                      f"got {value}")
@@ -63,8 +85,8 @@ def check_finite_nonnegative(value: Any, name: str, arg: str) -> None:
 
 def check_positive_int(value: Any, name: str, arg: str) -> int:
   """``value`` as an int; ``ValueError`` unless it is a positive integer (Python or NumPy)."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{name}: {arg} must be a positive integer, got {value!r}")
+  if not is_integer(value) or value < 1:
+    raise ValueError(f"{name}: {arg} must be a positive integer, got {_shown(value)}")
   return int(value)
 
 
@@ -193,4 +215,4 @@ def check_momentum(beta: Any, name: str) -> None:
   """Raises unless ``beta`` is a finite number in [0, 1) (a traced value is accepted as it is)."""
   b = _concrete_scalar(beta, name, "beta (the momentum)")
   if b is not None and not (np.isfinite(b) and 0 <= b < 1):
-    raise ValueError(f"{name}: beta (the momentum) must be in [0, 1), got {b}")
+    raise ValueError(f"{name}: beta (the momentum) must be in [0, 1), got {_shown(beta)}")

@@ -93,3 +93,44 @@ def test_consensus_distance_of_16_bit_params_sums_in_float32():
   want = np.asarray(x, np.float64)
   np.testing.assert_allclose(got, np.sum((want - want.mean(0)) ** 2) / 8, rtol=1e-5)
   assert gj.node_mean({"w": x})["w"].dtype == jnp.bfloat16
+
+
+MESH_KINDS = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("kind", sorted(MESH_KINDS))
+def test_node_helpers_on_params_placed_by_the_sharded_backend(kind, jit):
+  """jax.make_mesh's default (Explicit axes) and Auto axes: the numbers of the host arrays, the layouts kept."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = jax.make_mesh((4, 2), ("nodes", "model"), axis_types=(MESH_KINDS[kind],) * 2)
+  be = gj.backend.sharded(mesh)
+  host = _state_with_rng_and_counters(8)
+  tree = be.shard(host)
+  split = NamedSharding(mesh, P("nodes", None, "model"))  # each node's kernel split over 2 devices
+  tree["params"]["w"] = jax.device_put(host["params"]["w"], split)
+  wrap = jax.jit if jit else (lambda f: f)
+  flat = np.concatenate([np.asarray(host["params"][k]).reshape(8, -1) for k in ("b", "w")], axis=1)
+  np.testing.assert_allclose(wrap(gj.consensus_distance)(tree), np.mean(np.sum((flat - flat.mean(0)) ** 2, 1)),
+                             rtol=1e-12)
+  mean = wrap(gj.node_mean)(tree)
+  np.testing.assert_allclose(mean["params"]["w"], np.asarray(host["params"]["w"]).mean(0), rtol=1e-12)
+  assert mean["params"]["w"].sharding.spec[:2] == (None, "model")  # node 0's layout on the model axis
+  assert int(mean["step"]) == 7 and int(mean["rngs"]["count"]) == 0
+  np.testing.assert_array_equal(jax.random.key_data(mean["rngs"]["key"]), jax.random.key_data(host["rngs"]["key"][0]))
+  # Nodes that agree: node 0's value exactly, at distance 0 exactly.
+  agree = be.shard(jax.tree.map(lambda x: jnp.broadcast_to(x[5], x.shape), host["params"]))
+  agree["w"] = jax.device_put(agree["w"], split)
+  for name, x in wrap(gj.node_mean)(agree).items():
+    np.testing.assert_array_equal(x, host["params"][name][5])
+  assert float(wrap(gj.consensus_distance)(agree)) == 0.0
+  f = lambda q, x: jnp.sum(x @ q["w"] + q["b"][None])
+  x = jnp.ones((7, 3))
+  per_node = gj.evaluate_nodes(f, tree["params"], x)
+  np.testing.assert_allclose(per_node, gj.evaluate_nodes(f, host["params"], x), rtol=1e-12)
+  np.testing.assert_allclose(gj.evaluate_mean(f, tree["params"], x), per_node.mean(), rtol=1e-12)
+  assert gj.nonfinite_nodes(tree).tolist() == []
+  host["params"]["b"] = host["params"]["b"].at[6, 1].set(jnp.inf)
+  with pytest.raises(FloatingPointError, match=r"node\(s\) 6 became NaN/inf at step 3"):
+    gj.check_finite(be.shard(host), step=3)

@@ -158,7 +158,7 @@ def test_momentum_methods_share_their_signature_and_default():
     (lambda: gj.easgd(learning_rate=0.1, center_rate=2.0), r"^gj\.easgd: center_rate must be in"),
     (lambda: gj.mix(RING, every=0), r"^gj\.mix: every must be a positive integer"),
     (lambda: gj.choco_sgd(RING, gj.compress.sign(), learning_rate=0.1, consensus_step=0.0),
-     r"^gj\.choco_sgd: consensus_step must be in \(0.0, 1.0\]"),
+     r"^gj\.choco_sgd: consensus_step must be in \(0, 1\], got 0.0$"),
     (lambda: gj.extra(T.random_pairs(8, seed=0), learning_rate=0.1), r"^gj\.extra: needs a static W"),
 ])
 def test_errors_start_with_the_public_name(make, match):
@@ -227,3 +227,60 @@ def test_a_scalar_leaf_is_named_where_nodes_are_averaged(make):
     tx.init(x)
   fine = {"w": jnp.ones((4, 2)), "count": jnp.zeros((), jnp.int32)}  # a non-float scalar is left alone
   tx.update(fine, tx.init(fine), fine)
+
+
+def _streaming(**kw):
+  return gj.streaming_diloco(optax.sgd(0.1), **{"num_fragments": 2, "inner_steps": 4, **kw})
+
+
+# Every integer and float hyperparameter of the algorithms: (transform, argument, a value in range
+# given as a Python number, values out of range, the range as the docstring states it).
+HYPERPARAMETERS = [
+    ("mix", lambda **kw: gj.mix(RING, **kw), "every", 2, [0, -3], "a positive integer"),
+    ("periodic_average", lambda **kw: gj.periodic_average(**kw), "every", 2, [0, -3], "a positive integer"),
+    ("easgd", lambda **kw: gj.easgd(learning_rate=0.1, **kw), "every", 2, [0], "a positive integer"),
+    ("diloco", lambda **kw: gj.diloco(optax.sgd(0.1), **kw), "inner_steps", 2, [0], "a positive integer"),
+    ("noloco", lambda **kw: gj.noloco(optax.sgd(0.1), T.random_pairs(8, seed=0), **kw), "inner_steps", 2, [0],
+     "a positive integer"),
+    ("outer_optimizer", lambda **kw: gj.outer_optimizer(optax.sgd(0.1), optax.sgd(1.0), **kw), "inner_steps", 2, [0],
+     "a positive integer"),
+    ("streaming_diloco", _streaming, "num_fragments", 2, [0, -1], "a positive integer"),
+    ("streaming_diloco", _streaming, "inner_steps", 4, [1], "at least num_fragments (2)"),
+    ("streaming_diloco", _streaming, "overlap", 1, [2, -1], "[0, inner_steps / num_fragments) = [0, 2)"),
+    *[(name, lambda make=EVERY_LEARNING_RATE[name], **kw: make(learning_rate=0.1, **kw), "beta", 0.5,
+       [1.0, -0.25, float("nan")], "[0, 1)") for name in ("gossip_sgd", "decentlam", "qg_dmsgd", "allreduce_sgd", "sgp")],
+    ("gossip_sgd", lambda **kw: gj.gossip_sgd(RING, learning_rate=0.1, **kw), "beta", 0, [1], "[0, 1)"),
+    ("qg_dmsgd", lambda **kw: gj.qg_dmsgd(RING, learning_rate=0.1, **kw), "mu", 0.25, [1.5, -0.25], "[0, 1]"),
+    ("choco_sgd", lambda **kw: gj.choco_sgd(RING, gj.compress.sign(), learning_rate=0.1, **kw), "consensus_step", 1,
+     [0, 1.5], "(0, 1]"),
+    ("easgd", lambda **kw: gj.easgd(learning_rate=0.1, **kw), "alpha", 0.5, [1.5, -0.25], "[0, 1]"),
+    ("easgd", lambda **kw: gj.easgd(learning_rate=0.1, **kw), "center_rate", 0.5, [1.5, -0.25], "[0, 1]"),
+    ("streaming_diloco", _streaming, "mixing", 0.5, [1.5, -0.25], "[0, 1]"),
+    *[(name, make, "outer_momentum", 0.5, [1.0, 1.5, -0.25], "[0, 1)") for name, make in (
+        ("diloco", lambda **kw: gj.diloco(optax.sgd(0.1), inner_steps=2, **kw)),
+        ("noloco", lambda **kw: gj.noloco(optax.sgd(0.1), T.random_pairs(8, seed=0), inner_steps=2, **kw)),
+        ("streaming_diloco", _streaming))],
+]
+_IDS = [f"{name}-{arg}-{good}" for name, _, arg, good, _, _ in HYPERPARAMETERS]
+
+
+def _as_numpy(value):
+  return np.int64(value) if isinstance(value, int) else np.float32(value)
+
+
+@pytest.mark.parametrize("name, make, arg, good, bad, allowed", HYPERPARAMETERS, ids=_IDS)
+def test_hyperparameters_take_numpy_scalars_and_refuse_out_of_range_with_the_documented_range(
+    name, make, arg, good, bad, allowed):
+  x = {"a": jnp.arange(16.0).reshape(8, 2), "b": jnp.ones((8, 3))}
+  steps = []
+  for value in (good, _as_numpy(good)):  # a NumPy scalar is taken wherever the Python number is: the same transform
+    tx = make(**{arg: value})
+    steps.append(jax.eval_shape(lambda p, tx=tx: tx.update(p, tx.init(p), p), x))  # traced, not compiled: cheap
+  assert jax.tree.structure(steps[0]) == jax.tree.structure(steps[1])
+  assert jax.tree.leaves(steps[0]) == jax.tree.leaves(steps[1])
+  for value in bad + [_as_numpy(v) for v in bad if not np.isnan(v)]:
+    with pytest.raises(ValueError) as e:
+      make(**{arg: value})
+    message = str(e.value)
+    assert message.startswith(f"gj.{name}: {arg}"), message
+    assert allowed in message and "got" in message, message

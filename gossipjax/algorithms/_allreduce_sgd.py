@@ -7,7 +7,7 @@ from typing import Any
 import optax
 from jax.typing import DTypeLike
 
-from gossipjax._validation import check_learning_rate, check_momentum, require_node_axis
+from gossipjax._validation import check_learning_rate, check_momentum, is_zero, require_node_axis
 from gossipjax.algorithms._common import check_state_dtype, in_dtypes_of_updates
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 from gossipjax.mixing._named import node_average
@@ -78,7 +78,7 @@ def allreduce_sgd(
   check_momentum(beta, "gj.allreduce_sgd")
   state_dtype = check_state_dtype(state_dtype, "gj.allreduce_sgd")
   parts: list[Any] = [all_reduce(backend)]
-  if not (isinstance(beta, (int, float)) and beta == 0):
+  if not is_zero(beta):  # no momentum, no state (Python or NumPy 0; a traced beta keeps its momentum)
     parts.append(optax.trace(decay=beta, accumulator_dtype=state_dtype))
   parts.append(optax.scale_by_learning_rate(learning_rate))
   chained = optax.chain(*parts)

@@ -25,7 +25,7 @@ def _check_symmetric(topology, beta) -> None:
     return
   detail = ""
   n = topology.num_nodes
-  if n <= 256 and isinstance(beta, (int, float)):
+  if n <= 256 and isinstance(beta, (int, float, np.integer, np.floating)):
     w = topology.matrix(0)
     companion = np.block([[w + beta * np.eye(n), -beta * np.eye(n)], [np.eye(n), np.zeros((n, n))]])
     radius = float(np.max(np.abs(np.linalg.eigvals(companion))))

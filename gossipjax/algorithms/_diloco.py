@@ -45,7 +45,7 @@ def diloco(
 
   Args:
     inner: the local optimizer, e.g. ``optax.adamw(4e-4, weight_decay=0.1)`` (the paper's).
-    inner_steps: H, the local steps per round; the paper uses 500 for language models.
+    inner_steps: H, a positive integer, the local steps per round; the paper uses 500 for language models.
     outer_learning_rate: :math:`\eta` (0.7 in the paper), or an optax schedule, called with
       the outer round.
     outer_momentum: :math:`\mu` in [0, 1) (0.9 in the paper).

@@ -66,10 +66,11 @@ def easgd(
 
   Args:
     learning_rate: a float or an optax schedule.
-    alpha: elastic pull of each worker towards the center.
+    alpha: elastic pull of each worker towards the center, in [0, 1].
     center_rate: ``beta`` in the paper, the moving rate of the center towards the
-      workers' average.
-    every: tau, apply the elastic terms every ``every`` steps (local SGD in between).
+      workers' average, in [0, 1].
+    every: tau, a positive integer: apply the elastic terms every ``every`` steps (local
+      SGD in between).
     backend: where the nodes live (default: simulate); provides the all-reduce mean.
     state_dtype: the center's dtype, e.g. ``jnp.float32`` for bfloat16 params (the workers'
       average is then taken in it); ``None`` keeps the params'. The updates are in the

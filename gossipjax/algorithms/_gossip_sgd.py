@@ -7,7 +7,7 @@ from typing import Any
 import optax
 from jax.typing import DTypeLike
 
-from gossipjax._validation import check_learning_rate, check_momentum
+from gossipjax._validation import check_learning_rate, check_momentum, is_zero
 from gossipjax.algorithms._common import check_state_dtype
 from gossipjax.mixing import Backend, float_leaves_only
 from gossipjax.mixing._mix import mix_named
@@ -74,7 +74,7 @@ def gossip_sgd(
   check_momentum(beta, "gj.gossip_sgd")
   state_dtype = check_state_dtype(state_dtype, "gj.gossip_sgd")
   parts = []
-  if not (isinstance(beta, (int, float)) and beta == 0):
+  if not is_zero(beta):  # no momentum, no state (Python or NumPy 0; a traced beta keeps its momentum)
     parts.append(optax.trace(decay=beta, accumulator_dtype=state_dtype))
   parts += [optax.scale_by_learning_rate(learning_rate), mix_named("gj.gossip_sgd", topology, backend=backend)]
   return float_leaves_only(optax.chain(*parts))

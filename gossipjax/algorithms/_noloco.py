@@ -84,7 +84,7 @@ def noloco(
     inner: the local optimizer, e.g. ``optax.adam(2e-4)``.
     topology: a pairing of the nodes at every step, e.g. ``gj.topology.random_pairs(n,
       period=rounds)``; W advances one step of its period per outer round.
-    inner_steps: H, the local steps per round.
+    inner_steps: H, a positive integer, the local steps per round.
     outer_learning_rate: :math:`\eta`, or an optax schedule, called with the outer round
       (see above for the recurrence it then computes).
     outer_momentum: :math:`\mu` in [0, 1).

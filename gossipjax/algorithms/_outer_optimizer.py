@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -75,9 +74,7 @@ def check_outer_rates(learning_rate: Any, momentum: Any, name: str) -> None:
   that returns an array (a per-coordinate rate).
   """
   check_learning_rate(learning_rate, name, "outer_learning_rate", high=FLOAT32_MAX)
-  check_in_range(momentum, name, "outer_momentum", 0.0, 1.0)
-  if not isinstance(momentum, jax.core.Tracer) and float(momentum) == 1.0:
-    raise ValueError(f"{name}: outer_momentum must be in [0, 1), got {momentum!r}")
+  check_in_range(momentum, name, "outer_momentum", 0.0, 1.0, high_open=True)
 
 
 def check_transform(tx: Any, name: str, arg: str, example: str) -> None:
@@ -181,7 +178,7 @@ def outer_optimizer(
     outer: the outer optimizer on the pseudo-gradients, e.g.
       ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; ``optax.sgd(1.0)`` replaces each node's
       model by the combined one (periodic averaging, or local SGD with gossip).
-    inner_steps: H, the local steps per round (at least 1).
+    inner_steps: H, a positive integer, the local steps per round.
     topology: ``None`` for the global average (an all-reduce), or a doubly stochastic
       topology for one gossip round; W advances one step of its period per outer round.
     backend: where the nodes live (default: simulate); provides the all-reduce, the mixer

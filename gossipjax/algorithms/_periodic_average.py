@@ -43,7 +43,7 @@ def periodic_average(every: int, *, backend: Backend | None = None) -> optax.Gra
                             x^k + u^k & \text{otherwise.} \end{cases}
 
   Args:
-    every: H, the period of the global average.
+    every: H, a positive integer, the period of the global average.
     backend: where the nodes live (default: simulate); provides the all-reduce.
 
   Returns:

@@ -60,8 +60,8 @@ def qg_dmsgd(
     beta: heavy-ball coefficient in [0, 1); 0, the default in every gossipjax method, reduces
       the method to D-PSGD (the paper uses 0.9).
     learning_rate: a float or an optax schedule.
-    mu: averaging rate of the quasi-global momentum. The default, ``beta``, is the paper's
-      Algorithm 1; the authors' code uses ``mu = 0.1`` whatever ``beta`` is, so the two
+    mu: averaging rate of the quasi-global momentum, in [0, 1]. The default, ``beta``, is the
+      paper's Algorithm 1; the authors' code uses ``mu = 0.1`` whatever ``beta`` is, so the two
       agree only at ``beta = 0.9``: pass ``mu=0.1`` to match that code.
     backend: where the nodes live (default: simulate).
     state_dtype: the quasi-global momentum's dtype, e.g. ``jnp.float32`` for bfloat16 params

@@ -13,7 +13,7 @@ from jax import lax
 from gossipjax._axis import mapping
 from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._mapping import per_node
-from gossipjax._validation import check_in_range, check_period, check_positive_int, require_params
+from gossipjax._validation import check_in_range, check_period, check_positive_int, is_integer, require_params
 from gossipjax.algorithms._choco import _raw_key
 from gossipjax.algorithms._compressed_mean import (check_compressor, check_mean_form, compress_with_feedback,
                                                    mean_of_compressed)
@@ -260,9 +260,10 @@ def streaming_diloco(
   if not isinstance(period, int) or period < num_fragments:
     raise ValueError(f"{name}: inner_steps must be an integer of at least num_fragments ({num_fragments}), "
                      f"got {inner_steps!r}")
-  if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < period // num_fragments:
+  if not is_integer(overlap) or not 0 <= overlap < period // num_fragments:
     raise ValueError(f"{name}: overlap must be an integer in [0, inner_steps / num_fragments) = "
                      f"[0, {period // num_fragments}), got {overlap!r}")
+  overlap = int(overlap)
   check_in_range(mixing, name, "mixing", 0.0, 1.0)
   if fragment_split not in FRAGMENT_SPLITS:
     raise ValueError(f"{name}: fragment_split must be 'layers' or 'balanced', got {fragment_split!r}")

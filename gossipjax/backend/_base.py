@@ -116,6 +116,78 @@ def node_sharding(leaf: Any) -> Any:
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[0]))
 
 
+def _sharding_of(leaf: Any) -> Any:
+  """A concrete array's sharding, or under ``jax.jit`` its sharding type (``None`` where there is none)."""
+  if isinstance(leaf, jax.core.Tracer):
+    try:
+      return jax.typeof(leaf).sharding
+    except (AttributeError, TypeError):
+      return None
+  return getattr(leaf, "sharding", None)
+
+
+def _explicit_names(mesh: Any) -> tuple[str, ...]:
+  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit)
+
+
+def explicit_mesh(tree: Any) -> Any:
+  """The mesh of the first leaf of ``tree`` placed on a mesh with Explicit axes, or ``None``.
+
+  A concrete array gives its ``Mesh``; under ``jax.jit`` a leaf's sharding type gives an
+  ``AbstractMesh``. Leaves on Auto meshes, on one device or on the host give ``None``.
+  """
+  for leaf in jax.tree.leaves(tree):
+    sharding = _sharding_of(leaf)
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and mesh is not None and _explicit_names(mesh):
+      return mesh
+  return None
+
+
+def mesh_of_explicit(mesh: Any, tree: Any) -> contextlib.AbstractContextManager[Any, None]:
+  """``jax.set_mesh`` of ``mesh``, or of the mesh ``tree`` is placed on, where that mesh has Explicit axes.
+
+  A ``jax.jit`` called eagerly on arrays of an Explicit mesh needs the mesh as its context
+  when it builds values of its own (zeros, iotas) that JAX types with the mesh's axes.
+  Elsewhere (no such mesh, or under a trace, which has its context) it does nothing.
+  """
+  if mesh is None or not _explicit_names(mesh):
+    mesh = explicit_mesh(tree)
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return contextlib.nullcontext()
+  return jax.sharding.set_mesh(mesh)
+
+
+def auto_where_explicit(fn: Callable[[Any], Any], tree: Any, out_specs: Callable[[Any], Any]) -> Any:
+  """``fn(tree)`` with the Explicit axes of ``tree``'s mesh treated as Auto; elsewhere plain ``fn(tree)``.
+
+  Stacked-node code that slices, rolls or gathers along the node axis (a simulated gossip
+  round, node 0's row of an average) is refused by JAX on an axis typed Explicit, where it
+  asks for each result's sharding. Inside ``jax.sharding.auto_axes`` the compiler partitions
+  it, as on an Auto mesh (a roll along the node axis becomes collective-permutes), and the
+  results are placed as ``out_specs`` says, eagerly and under jit.
+
+  Args:
+    fn: a function of ``tree`` alone.
+    tree: its argument, whose leaves may be placed on a mesh.
+    out_specs: maps the ``PartitionSpec`` s of ``tree``'s leaves (a tree like ``tree``) to
+      those of ``fn``'s result.
+  """
+  mesh = explicit_mesh(tree)
+  if mesh is None:
+    return fn(tree)
+  abstract = getattr(mesh, "abstract_mesh", mesh)
+
+  def spec(leaf):
+    sharding = _sharding_of(leaf)
+    same = isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.axis_names == mesh.axis_names
+    return sharding.spec if same else jax.sharding.PartitionSpec()
+
+  with jax.sharding.use_abstract_mesh(abstract):
+    return jax.sharding.auto_axes(fn, axes=_explicit_names(abstract),
+                                  out_sharding=out_specs(jax.tree.map(spec, tree)))(tree)
+
+
 def follow_placement(tree: Any, params: Any) -> Any:
   """Places the per-node arrays of ``tree`` (leading axis n) as the node axis of ``params`` is placed.
 
@@ -153,7 +225,9 @@ def follow_placement(tree: Any, params: Any) -> Any:
     if getattr(x, "ndim", 0) == 0 or x.shape[0] != n:
       return x
     if isinstance(x, jax.core.Tracer):
-      return jax.sharding.reshard(x, target)
+      if target.spec[0] in _explicit_names(target.mesh):
+        return jax.sharding.reshard(x, target)
+      return jax.lax.with_sharding_constraint(x, target)  # an Auto axis: a hint, which reshard refuses
     return jax.device_put(x, target)
 
   return jax.tree.map(put, tree)

@@ -25,9 +25,11 @@ one for the step every other device waits for. XLA sizes the pool from the ``PJR
 environment variable (else ``NPROC``, else the cores the process may run on) when the CPU
 client starts, so it must be set before the client exists. That is the process's choice, not
 a side effect of importing gossipjax: an entry point (the CLI, the examples, the tests' conftest)
-calls `reserve_cpu_threads` after choosing its device count and before JAX's first computation,
-and the sharded and pmapped backends warn, with that line, when the client they run on has too
-few threads. The intra-op pool of the same client is sized from the same number; on a machine
+calls `reserve_cpu_threads` after choosing its device count and before JAX's first computation.
+The sharded and pmapped backends refuse, in one line that gives that call, to run collectives
+on a client with too few threads (`check_collective_threads`): by the time a backend exists the
+client has started and cannot grow, and the alternative is a run that stalls for XLA's
+rendezvous timeout and aborts. The intra-op pool of the same client is sized from the same number; on a machine
 with fewer than 2K cores it gets 2K mostly idle threads, which costs little next to a process
 that aborts.
 """
@@ -121,7 +123,8 @@ def reserve_cpu_threads() -> None:
     gj.backend.reserve_cpu_threads()
 
   Called after JAX has started its CPU client, it changes nothing, and warns
-  (``RuntimeWarning``) if that client has too few threads for its devices.
+  (``RuntimeWarning``) if that client has too few threads for its devices (on which the
+  sharded and pmapped backends then refuse to run).
 
   Example:
     In a process whose JAX has computed already, the call changes nothing:
@@ -134,7 +137,7 @@ def reserve_cpu_threads() -> None:
     True
   """
   if _cpu_client_started():
-    check_collective_threads(jax.local_devices(), "gj.backend.reserve_cpu_threads (called after JAX started)")
+    _warn_if_short(jax.local_devices(), "gj.backend.reserve_cpu_threads (called after JAX started)")
     return
   devices = requested_cpu_devices(num_cpu_devices=jax.config.values["jax_num_cpu_devices"])
   value = pjrt_nproc_setting(devices, os.environ)
@@ -142,19 +145,61 @@ def reserve_cpu_threads() -> None:
     os.environ["PJRT_NPROC"] = value
 
 
-def check_collective_threads(devices: Iterable[Any], where: str) -> None:
-  """Warns when this process's CPU client has too few threads for collectives over ``devices``."""
+def live_pool_size() -> int | None:
+  """The running CPU client's pool, counted from its threads where ``/proc`` lists them, else ``None``.
+
+  XLA names the threads of the pool it sizes from ``PJRT_NPROC`` "XLAEigen"; counting them reads
+  what the client started with, whatever the environment says now.
+  """
+  tasks = "/proc/self/task"
+  try:
+    ids = os.listdir(tasks)
+  except OSError:
+    return None
+  count = 0
+  for tid in ids:
+    try:
+      with open(f"{tasks}/{tid}/comm") as f:
+        count += "XLAEigen" in f.read()
+    except OSError:
+      pass  # a thread that ended while listing
+  return count or None
+
+
+def _shortfall(devices: Iterable[Any]) -> tuple[int, int, int] | None:
+  """``(pool, needed, K)`` where collectives over this process's ``devices`` (K >= 2 CPU ones) lack threads."""
   local = [d for d in devices if d.process_index == jax.process_index()]
-  if not local or local[0].platform != "cpu":
-    return
+  if len(local) < 2 or local[0].platform != "cpu":
+    return None  # one device waits on no other; accelerators run collectives off this pool
   k = len(local)
-  pool = pool_size(len(jax.local_devices(backend="cpu")))
-  if pool < threads_needed(k):
-    warnings.warn(
-        f"{where}: XLA's CPU client has {pool} threads for collectives over {k} local CPU devices; with more "
-        f"than {MAX_INFLIGHT_PER_DEVICE} steps queued (a loop that does not wait on each step) it can "
-        f"deadlock and abort on a rendezvous timeout. Fix: call `gj.backend.reserve_cpu_threads()` after choosing the device count and "
-        f"before the first JAX computation (or start the process with PJRT_NPROC={threads_needed(k)}).",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+  pool = live_pool_size() or pool_size(len(jax.local_devices(backend="cpu")))
+  return (pool, threads_needed(k), k) if pool < threads_needed(k) else None
+
+
+def check_collective_threads(devices: Iterable[Any], where: str) -> None:
+  """Refuses collectives over ``devices`` where this process's CPU client has too few threads for them.
+
+  Raises:
+    RuntimeError: K >= 2 of ``devices`` are this process's CPU devices and its CPU client has
+      fewer than 2K threads; the message gives the call that sizes the client, which must come
+      before JAX's first computation, since the client cannot grow once started.
+  """
+  short = _shortfall(devices)
+  if short is None:
+    return
+  pool, need, k = short
+  raise RuntimeError(
+      f"{where}: XLA's CPU client has {pool} threads, but collectives over {k} CPU devices need {need} (a loop that "
+      f"queues more than {MAX_INFLIGHT_PER_DEVICE} steps would deadlock); it started with JAX and cannot grow now: "
+      f"call `gj.backend.reserve_cpu_threads()` first, after setting the device count and before any JAX call "
+      f"(jax.devices(), jax.make_mesh, an array), or start the process with PJRT_NPROC={need}")
+
+
+def _warn_if_short(devices: Iterable[Any], where: str) -> None:
+  short = _shortfall(devices)
+  if short is not None:
+    pool, need, k = short
+    warnings.warn(f"{where}: XLA's CPU client has {pool} threads and collectives over {k} CPU devices need "
+                  f"{need}; it started with JAX and cannot grow now: call `gj.backend.reserve_cpu_threads()` before "
+                  f"the first JAX call, or start the process with PJRT_NPROC={need}. The sharded and pmapped "
+                  "backends refuse to run on it.", RuntimeWarning, stacklevel=3)

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from gossipjax.backend._base import node_sharding
+from gossipjax.backend._base import auto_where_explicit, node_sharding
 from gossipjax.backend._blocks import rounds_alone
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import accumulation_dtype, mean_terms
@@ -87,6 +88,14 @@ def warn_if_placed(tree: Any, topology_name: str) -> None:
       return
 
 
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def _unsplit_nodes(spec: P) -> P:
+  return P(None, *spec[1:])
+
+
 @dataclasses.dataclass(frozen=True)
 class SimulateMixer:
   topology: Topology
@@ -102,6 +111,13 @@ class SimulateMixer:
     note_gossip(self.topology, tree, step, wire, 0)  # the compact form is what would cross
     del wire  # every node is here: the dense rows are mixed, and a compact form has nothing to cross
     warn_if_placed(tree, self.topology.name)
+    # Params placed on an Explicit mesh: the rolls along the node axis are left to the compiler
+    # (a traced step goes in as an argument, typed for the compiler's context).
+    if isinstance(step, (int, np.integer)):
+      return auto_where_explicit(lambda t: self._mix(t, step), tree, lambda specs: specs)
+    return auto_where_explicit(lambda a: self._mix(*a), (tree, step), lambda specs: specs[0])
+
+  def _mix(self, tree: Any, step: jax.Array | int) -> Any:
     plans = self.topology.plans()
     apply = lambda p: (lambda t: jax.tree.map(lambda x: apply_plan(p, x), t))
     if len(plans) == 1:
@@ -124,7 +140,8 @@ class SimulateMixer:
     alone = rounds_alone(self.topology)
     note_gossip(self.topology, tree, 0, wire, 0)
     warn_if_placed(tree, self.topology.name)
-    return tuple(jax.tree.map(lambda x: apply_plan(p, x), tree) for p in alone)
+    return auto_where_explicit(lambda t: tuple(jax.tree.map(lambda x: apply_plan(p, x), t) for p in alone), tree,
+                               lambda specs: (specs,) * len(alone))
 
 
 _MAX_SWITCH_BRANCHES = 16
@@ -170,13 +187,15 @@ class Simulate:
     """Every node's values, on every node (the all-gather): the stacked tree itself."""
     leaves = jax.tree.leaves(tree)
     note_gather(tree, jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else 1)
-    return tree
+    # On an Explicit mesh every node's values are made whole on each device (one all-gather).
+    return auto_where_explicit(lambda t: t, tree, lambda specs: jax.tree.map(_unsplit_nodes, specs, is_leaf=_is_spec))
 
   def all_to_all(self, tree: Any) -> Any:
     """Node j's piece j of every node: leaves ``(b, n, ...)`` (piece k of local node i at ``[i, k]``) become
     ``(b, n, ...)`` with ``[i, s]`` the piece of local node i that node s sent."""
     note_all_to_all(tree)
-    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), tree)
+    # On an Explicit mesh the result keeps the node axis where it was, on the leading axis.
+    return auto_where_explicit(lambda t: jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), t), tree, lambda specs: specs)
 
   def local_nodes(self, num_nodes: int) -> int:
     return num_nodes

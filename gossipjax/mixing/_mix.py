@@ -45,7 +45,7 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
 
   Args:
     topology: a ``gj.topology`` (doubly stochastic), a dense matrix or a networkx graph.
-    every: gossip every ``every`` steps and apply ``u`` locally in between (local SGD);
+    every: a positive integer: gossip every ``every`` steps and apply ``u`` locally in between (local SGD);
       W advances one step of its period per gossip round. Under
       ``optax.inject_hyperparams`` it may be a traced integer (it can change between steps).
     backend: where the nodes live (default: ``gj.backend.simulate()``).

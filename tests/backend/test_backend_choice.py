@@ -62,11 +62,47 @@ def test_a_class_with_the_four_methods_is_a_backend_and_anything_else_is_refused
       pass
 
 
-def test_sharded_params_in_a_transform_built_for_the_simulation_warn_with_the_fix(sharded):
+BUILT_FOR_THE_SIMULATION = {
+    "gossip_sgd": lambda: gj.gossip_sgd(T.ring(16), beta=0.9, learning_rate=0.1),
+    "chain_mix": lambda: gj.chain(optax.adam(0.1), gj.mix(T.one_peer_exponential(16))),
+    "diloco": lambda: gj.diloco(optax.adam(0.1), inner_steps=2),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+@pytest.mark.parametrize("name", sorted(BUILT_FOR_THE_SIMULATION))
+def test_a_transform_built_for_the_simulation_gives_its_numbers_on_sharded_params(name, kind, jit):
+  """No backend=, params placed by the sharded backend on jax.make_mesh's default (Explicit) or an Auto mesh."""
+  axis_type = jax.sharding.AxisType.Explicit if kind == "explicit" else jax.sharding.AxisType.Auto
+  be = gj.backend.sharded(jax.make_mesh((K,), ("nodes",), axis_types=(axis_type,)))
+  tx = BUILT_FOR_THE_SIMULATION[name]()
+  host = np.random.default_rng(0).normal(size=(16, 3))
+  target = np.arange(48.0).reshape(16, 3) / 48
+
+  def run(x, update):
+    state = tx.init(x)
+    for _ in range(4):
+      u, state = update(x - target, state, x)
+      x = optax.apply_updates(x, u)
+    return x
+
+  want = run(jnp.asarray(host), tx.update)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # the gossip warns where it sees the placement (next test)
+    got = run(be.shard(host), jax.jit(tx.update) if jit else tx.update)
+  np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+  assert got.sharding.spec[0] == "nodes"
+
+
+@pytest.mark.parametrize("kind, jit", [("explicit", True), ("explicit", False), ("auto", False)])
+def test_sharded_params_in_a_transform_built_for_the_simulation_warn_with_the_fix(kind, jit):
+  axis_type = jax.sharding.AxisType.Explicit if kind == "explicit" else jax.sharding.AxisType.Auto
+  be = gj.backend.sharded(jax.make_mesh((K,), ("nodes",), axis_types=(axis_type,)))
   tx = gj.gossip_sgd(T.ring(16), learning_rate=0.1)  # no backend=
-  x = sharded.shard(np.ones((16, 3)))
+  x = be.shard(np.ones((16, 3)))
   with pytest.warns(UserWarning, match=r"sharded over mesh axis 'nodes'.*backend=gj.backend.sharded"):
-    tx.update(x, tx.init(x), x)
+    (jax.jit(tx.update) if jit else tx.update)(x, tx.init(x), x)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     tx.update(np.ones((16, 3)), tx.init(np.ones((16, 3))), np.ones((16, 3)))  # host arrays: no warning
@@ -77,3 +113,14 @@ def test_shard_places_typed_prng_keys_with_the_params(sharded):
   placed = sharded.shard({"w": np.ones((16, 2)), "rngs": keys})
   assert placed["rngs"].sharding.is_equivalent_to(sharded.sharding, 1)
   np.testing.assert_array_equal(jax.random.key_data(placed["rngs"]), jax.random.key_data(keys))
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_follow_placement_places_traced_arrays_on_either_mesh_kind(kind):
+  """What an init or update traced next to placed params does (gj.streaming_diloco's averages, called eagerly)."""
+  axis_type = jax.sharding.AxisType.Explicit if kind == "explicit" else jax.sharding.AxisType.Auto
+  be = gj.backend.sharded(jax.make_mesh((K,), ("nodes",), axis_types=(axis_type,)))
+  params = be.shard(np.ones((16, 3)))
+  with jax.set_mesh(be.mesh):  # JAX's own rule for a jit on an Explicit mesh that makes new arrays
+    placed = jax.jit(lambda y: 2 * gj.mixing.follow_placement(y, params))(jnp.arange(16.0))
+  assert placed.sharding.spec[0] == "nodes" and placed.tolist() == list(range(0, 32, 2))

@@ -111,18 +111,49 @@ def test_requested_cpu_devices_reads_the_flag_and_the_jax_option():
   assert cpu.requested_cpu_devices({}) == 1
 
 
-def test_a_client_started_with_too_few_threads_is_reported(monkeypatch):
+# The loop above on 4 CPU devices in a fresh process whose XLA reads NPROC=2, so its client gets
+# max(2, 4) = 4 threads on any machine, 4 short of what collectives over 4 devices need.
+_SHORT_CHILD = _CHILD.replace(f"count={K}", "count=4").replace(f"(({K},)", "((4,)")
+
+
+@pytest.mark.parametrize("reserve", [False, True], ids=["without_reservation", "reserved_first"])
+def test_too_few_client_threads_give_a_clear_error_never_a_hang(reserve):
+  child = _SHORT_CHILD if reserve else _SHORT_CHILD.replace("gj.backend.reserve_cpu_threads()\n", "")
+  assert ("reserve_cpu_threads" in child) == reserve and "count=4" in child
+  try:
+    res = subprocess.run([sys.executable, "-c", child], env=dict(_fresh_env(), NPROC="2"), capture_output=True,
+                         text=True, timeout=60)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"{UNSYNCHRONISED_STEPS} steps on 4 CPU devices neither finished nor failed within 60 s")
+  if reserve:  # the line the error gives, followed: the client has its threads and the loop finishes
+    assert res.returncode == 0 and "finished" in res.stdout, res.stderr[-2000:]
+    return
+  assert res.returncode != 0 and "finished" not in res.stdout
+  last = res.stderr.strip().splitlines()[-1]
+  assert last.startswith("RuntimeError: gj.backend.sharded: XLA's CPU client has 4 threads, but collectives over 4 "
+                         "CPU devices need 8"), last
+  assert "call `gj.backend.reserve_cpu_threads()` first" in last and "PJRT_NPROC=8" in last
+
+
+def test_a_client_with_too_few_threads_is_refused_where_collectives_start(monkeypatch):
   mesh = jax.make_mesh((K,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,))
-  monkeypatch.setenv("PJRT_NPROC", "2")
-  with pytest.warns(RuntimeWarning, match="PJRT_NPROC=16") as record:
-    cpu.check_collective_threads(mesh.devices.flat, "gj.backend.sharded")
-  assert "Fix: call `gj.backend.reserve_cpu_threads()`" in str(record[0].message)
+  monkeypatch.setattr(cpu, "live_pool_size", lambda: 2)  # as a client started without the reservation on 2 cores
+  with pytest.raises(RuntimeError, match=rf"^gj.backend.sharded: XLA's CPU client has 2 threads, but collectives "
+                                         rf"over {K} CPU devices need {2 * K} .*PJRT_NPROC={2 * K}$"):
+    gj.backend.sharded(mesh)
+  with pytest.raises(RuntimeError, match=r"^gj.backend.pmapped: .* need 8 .*reserve_cpu_threads\(\)` first"):
+    gj.backend.pmapped(axis_size=4).mixer(gj.topology.ring(8))
+  one = jax.make_mesh((1,), ("nodes",), devices=jax.devices()[:1])
+  gj.backend.sharded(one)  # one device waits on no other
+  monkeypatch.setattr(cpu, "live_pool_size", lambda: 2 * K)
+  gj.backend.sharded(mesh)
 
 
 def test_reserving_after_jax_started_changes_nothing_and_says_so(monkeypatch):
   # This process's client started with conftest's setting; a late call cannot resize it.
   jax.numpy.zeros(1).block_until_ready()
   monkeypatch.delenv("PJRT_NPROC", raising=False)
+  monkeypatch.setattr(cpu, "live_pool_size", lambda: None)  # no /proc: the pool is read from the environment
   monkeypatch.setenv("NPROC", "2")  # so the client looks too small on any machine
   with pytest.warns(RuntimeWarning, match=r"reserve_cpu_threads \(called after JAX started\).*PJRT_NPROC=16"):
     gj.backend.reserve_cpu_threads()
