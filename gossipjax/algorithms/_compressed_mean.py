@@ -15,12 +15,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend.core import Var
 
 from gossipjax._axis import mapping
 from gossipjax.algorithms._participation import Participation, select_nodes
 from gossipjax.compress import Compressor
-from gossipjax.compress._base import leaf_keys
 from gossipjax.mixing import Backend, follow_placement
 from gossipjax.mixing._contract import accumulation_dtype
 from gossipjax.mixing._named import gathered_nodes, node_all_to_all, node_gather, on_nodes
@@ -94,21 +92,6 @@ def mean_of_compressed(c: Compressor, backend: Backend, name: str, sent: Compres
   return mean if takes_part is None else takes_part.divide(mean)
 
 
-def _decoding_reads_key(c: Compressor, compact: Any, key: Any, like: Any) -> bool:
-  """Whether decoding one node's ``compact`` tree reads the sender's key (a random index set does, a scale does not)."""
-  leaf_key = jax.eval_shape(lambda k: leaf_keys(k, 1)[0], key)
-  leaves, treedef = jax.tree.flatten(like)
-  return any(_reads_second(lambda p, k, x=x: c.decode_leaf(p, k, x.shape, x.dtype), parts, leaf_key)
-             for parts, x in zip(treedef.flatten_up_to(compact), leaves))
-
-
-def _reads_second(fn: Any, first: Any, second: Any) -> bool:
-  """Whether ``fn(first, second)`` reads its second argument (traced abstractly, on shapes)."""
-  jaxpr = jax.make_jaxpr(fn)(first, second).jaxpr
-  wanted = set(jaxpr.invars[len(jax.tree.leaves(first)):])
-  used = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var)}
-  used |= {v for v in jaxpr.outvars if isinstance(v, Var)}
-  return bool(wanted & used)
 def compress_nodes(c: Compressor, backend: Any, name: str, sent: Any, keys: jax.Array, one_node: Any,
                    form: str | None) -> tuple[Any, Any, Any]:
   """Each node's ``sent`` compressed with its key: ``(compact, decoded, chunks)``.
@@ -139,12 +122,10 @@ def compact_mean(c: Compressor, backend: Any, name: str, compact: Any, keys: jax
   """
   node_map = lambda fn: on_nodes(fn, backend)
   first = 0 if mapping() is not None else 1  # one node's shape: without the stacked node axis
-  key_like = jax.ShapeDtypeStruct((2,), jnp.uint32)
   if chunks is not None:
     compact, chunk_keys = compact
     like_piece = chunks.piece
-    reads_key = _decoding_reads_key(c, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[first + 1:], x.dtype),
-                                                    compact), key_like, like_piece)
+    reads_key = c.decode_reads_key
     received = node_all_to_all(backend, (compact, chunk_keys) if reads_key else compact, name)
     their, their_keys = received if reads_key else (received, chunk_keys)
     reduced, reduced_keys = node_map(lambda r, rk, k: chunks.reduce(c, r, rk, k))(their, their_keys, keys)
@@ -154,8 +135,7 @@ def compact_mean(c: Compressor, backend: Any, name: str, compact: Any, keys: jax
       pieces = node_gather(backend, reduced, name)
       piece_keys = jnp.zeros((chunks.n, 2), jnp.uint32)
     return chunks.join(jax.vmap(lambda p, k: c.decode(p, k, like_piece))(pieces, piece_keys))
-  reads_key = _decoding_reads_key(c, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[first:], x.dtype), compact),
-                                  key_like, one_node)
+  reads_key = c.decode_reads_key
   return _gathered_mean(c, backend, name, compact, keys, one_node, first, reads_key)
 
 

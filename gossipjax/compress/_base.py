@@ -38,6 +38,10 @@ class Compressor:
     unbiased: ``E[C(x)] = x`` (then ``omega(d)`` bounds the variance,
       ``E||C(x) - x||^2 <= omega(d) ||x||^2``); otherwise C is a contraction,
       ``||C(x) - x||^2 <= (1 - delta) ||x||^2`` for some ``delta > 0``.
+    decode_reads_key: whether ``decode_leaf`` reads the sender's key (``random_k`` draws its
+      indices again from it), so a receiver needs the key beside the compact arrays; a class
+      attribute each compressor declares (``True`` unless it says otherwise, the safe default
+      for a compressor of one's own: the key is then sent).
 
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
@@ -59,6 +63,7 @@ class Compressor:
   """
 
   unbiased: ClassVar[bool] = False
+  decode_reads_key: ClassVar[bool] = True
   # The public name that error messages start with.
   _name: ClassVar[str] = "gj.compress.Compressor"
 
@@ -274,6 +279,8 @@ class Identity(Compressor):
     >>> gj.compress.Identity() == gj.compress.identity()
     True
   """
+
+  decode_reads_key: ClassVar[bool] = False  # everything it decodes crosses the wire
 
   _name: ClassVar[str] = "gj.compress.identity"
 

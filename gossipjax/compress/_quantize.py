@@ -23,6 +23,8 @@ class Sign(Compressor):
     (Sign(), False)
   """
 
+  decode_reads_key: ClassVar[bool] = False  # everything it decodes crosses the wire
+
   _name: ClassVar[str] = "gj.compress.sign"
 
   def _encode(self, x, key):
@@ -98,6 +100,8 @@ class QSGD(Compressor):
     >>> c.unbiased, c.omega(16), c.contraction().unbiased  # omega = min(d / s^2, sqrt(d) / s)
     (True, 1.0, False)
   """
+
+  decode_reads_key: ClassVar[bool] = False  # everything it decodes crosses the wire
 
   levels: int
   scaled: bool = True

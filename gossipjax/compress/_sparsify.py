@@ -47,6 +47,8 @@ class TopK(Compressor):
     True
   """
 
+  decode_reads_key: ClassVar[bool] = False  # everything it decodes crosses the wire
+
   fraction: float
   _name: ClassVar[str] = "gj.compress.top_k"
 
@@ -168,6 +170,8 @@ class RandomK(Compressor):
     (True, 3.0, RandomK(fraction=0.25, scaled=False))
   """
 
+  decode_reads_key: ClassVar[bool] = True  # its indices are drawn again from the sender's key
+
   fraction: float
   scaled: bool = True
   _name: ClassVar[str] = "gj.compress.random_k"
@@ -262,6 +266,8 @@ class ThresholdMean(Compressor):
     >>> gj.compress.threshold_mean(), gj.compress.ThresholdMean().unbiased
     (ThresholdMean(absolute=True), False)
   """
+
+  decode_reads_key: ClassVar[bool] = False  # everything it decodes crosses the wire
 
   absolute: bool = True
   _name: ClassVar[str] = "gj.compress.threshold_mean"

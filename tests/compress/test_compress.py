@@ -262,3 +262,13 @@ def test_choco_takes_a_typed_key_a_raw_key_or_an_int():
     gj.choco_sgd(T.ring(N), gj.compress.random_k(0.5), learning_rate=0.1, consensus_step=0.5, key=1, seed=3)
   with pytest.raises(TypeError, match="^gj.choco_sgd: key must be"):
     gj.choco_sgd(T.ring(N), gj.compress.random_k(0.5), learning_rate=0.1, consensus_step=0.5, key="a")
+
+
+@pytest.mark.parametrize("c", [gj.compress.identity(), gj.compress.sign(), gj.compress.qsgd(4), gj.compress.top_k(0.3),
+                               gj.compress.random_k(0.3), gj.compress.threshold_mean()], ids=lambda c: type(c).__name__)
+def test_a_compressor_declares_whether_its_decoding_reads_the_key(c):
+  x = jax.random.normal(jax.random.key(0), (40,))
+  k1, k2 = jax.random.split(jax.random.key(1))
+  wire = c.encode_leaf(x, k1)
+  same = bool(jnp.array_equal(c.decode_leaf(wire, k1, x.shape, x.dtype), c.decode_leaf(wire, k2, x.shape, x.dtype)))
+  assert c.decode_reads_key == (not same)
