@@ -126,6 +126,11 @@ def shared_leaves(tree: Any) -> list[bool]:
   return flags
 
 
+def own_leaves(tree: Any) -> list[bool]:
+  """For each leaf of a state, whether it is one node's own inside `gj.nodes` (not declared shared)."""
+  return [not shared for shared in shared_leaves(tree)]
+
+
 def settle_shared(tree: Any, flags: list[bool]) -> Any:
   """Inside `gj.nodes`, each leaf flagged shared as one value for every node: the furthest-on node's.
 

@@ -16,7 +16,7 @@ import optax
 from jax import lax
 from jax.typing import DTypeLike
 
-from gossipjax._axis import mapping
+from gossipjax._axis import mapping, own_leaves
 from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._mapping import per_node
 from gossipjax._validation import (FLOAT32_MAX, check_in_range, check_learning_rate, check_node_axis, check_period,
@@ -29,7 +29,7 @@ from gossipjax.algorithms._participation import live_nodes, node_mask, participa
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
 from gossipjax.mixing._contract import next_count
-from gossipjax.mixing._named import node_average, node_index, node_shape, varies_over_nodes
+from gossipjax.mixing._named import node_average, node_index, node_shape
 
 
 class OuterState(NamedTuple):
@@ -341,15 +341,15 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
     inner_updates = jax.tree.map(lambda u, x: u.astype(x.dtype), inner_updates, params)
     in_mapping = mapping() is not None
     if up is not None:  # a node that is down neither computes nor changes
-      own = varies_over_nodes(inner_state, unknown=True) if in_mapping else None
+      own = own_leaves(inner_state) if in_mapping else None
       inner_state = select_nodes(up, inner_state, state.inner_state, own)
       inner_updates = select_nodes(up, inner_updates, jax.tree.map(jnp.zeros_like, inner_updates))
     # A node that skips (gj.guard_finite) sends its current params and keeps them.
     inner_updates = zero_skipped(inner_updates, skip_nodes)
     outer_round = state.count // period
-    # Which leaves of the outer state are one node's own (inside gj.nodes), read here: a cond's
-    # branch is traced before it is mapped.
-    own_outer = varies_over_nodes(state.outer_state, unknown=True) if in_mapping else None
+    # Which leaves of the outer state are one node's own inside gj.nodes: all but those its state
+    # classes declare one value for every node.
+    own_outer = own_leaves(state.outer_state) if in_mapping else None
 
     def outer_step(operands):
       inner_updates, anchor, outer_state, residual, outer_steps, synced = operands

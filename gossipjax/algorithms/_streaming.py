@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gossipjax._axis import mapping
+from gossipjax._axis import mapping, own_leaves
 from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._mapping import per_node
 from gossipjax._validation import check_in_range, check_period, check_positive_int, is_integer, require_params
@@ -23,7 +23,7 @@ from gossipjax.algorithms._participation import Participation, live_nodes, node_
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, resolve_backend
 from gossipjax.mixing._contract import next_count
-from gossipjax.mixing._named import node_average, node_index, node_shape, varies_over_nodes
+from gossipjax.mixing._named import node_average, node_index, node_shape
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -346,7 +346,7 @@ def streaming_diloco(
     """Fragment p at one inner step: its sync at phase ``sync_at[p]``, its outer step ``overlap`` steps later."""
     # Which leaves of the outer state are one node's own (inside gj.nodes), read here: a cond's
     # branch is traced before it is mapped.
-    own = varies_over_nodes(f.outer_state, unknown=True) if mapping() is not None else None
+    own = own_leaves(f.outer_state) if mapping() is not None else None
     phase = step.count % period
     f = lax.cond(phase == sync_at[p], functools.partial(sync, step, p, own), lambda f: f, f)
     lands = (phase == (sync_at[p] + overlap) % period) & (step.count >= sync_at[p] + overlap)
@@ -362,7 +362,7 @@ def streaming_diloco(
     participation = up is not None or skip_nodes is not None
     ok = live_nodes(up, skip_nodes, params)
     if participation:  # a node that is down (or skips, under gj.guard_finite) neither computes nor changes
-      own_inner = varies_over_nodes(inner_state, unknown=True) if mapping() is not None else None
+      own_inner = own_leaves(inner_state) if mapping() is not None else None
       inner_state = select_nodes(ok, inner_state, state.inner_state, own_inner)
       inner_updates = select_nodes(ok, inner_updates, jax.tree.map(jnp.zeros_like, inner_updates))
     treedef, x = jax.tree.structure(params), jax.tree.leaves(params)

@@ -56,43 +56,6 @@ def check_same_backend(current: Mapping, backend: Any, name: str) -> None:
                    "(e.g. inside one `with gj.backend.use(b):` block)")
 
 
-def varies_over_nodes(tree: Any, unknown: bool | None = None) -> list[bool]:
-  """For each leaf of ``tree``, whether it differs from node to node (at trace time).
-
-  Inside `gj.nodes` a per-node value (a moment, a tracker) varies over the node axis and a
-  shared one (a step count, a hyperparameter) does not: what a leading node axis says of a
-  stacked leaf, this says of one node's leaf. Outside a mapping every leaf counts as shared.
-
-  Inside a ``lax.cond`` or loop body under the mapping the branch is traced before it is
-  mapped, and the answer is not known there: every leaf is then ``unknown`` (a
-  ``RuntimeError`` if it is ``None``).
-  """
-  leaves = jax.tree.leaves(tree)
-  if mapping() is None or not leaves:
-    return [False] * len(leaves)
-  flags: list[bool] = []
-
-  @custom_vmap
-  def probe(leaves, witness):
-    del witness
-    return leaves
-
-  @probe.def_vmap
-  def rule(axis_size, in_batched, leaves, witness):
-    del axis_size, witness
-    if not flags:  # the first rule to run is the node axis's, the innermost mapping
-      flags.extend(bool(b) for b in in_batched[0])
-    return leaves, in_batched[0]
-
-  probe(leaves, _witness())
-  if not flags:
-    if unknown is None:
-      raise RuntimeError("varies_over_nodes: called inside a control-flow body under the node mapping, where "
-                         "which values differ over the nodes is not known yet")
-    return [unknown] * len(leaves)
-  return flags
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class NodeMixer:
   """A backend's mixer that also runs inside `gj.nodes`, where it is a collective over ``"nodes"``.
