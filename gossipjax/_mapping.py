@@ -266,9 +266,11 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
     An argument that is not an array (``optax.lbfgs``'s ``value_fn``) is passed as it is.
   - **Per-node gates.** A wrapper that skips a node's step (``optax.apply_if_finite``,
     ``optax.MultiSteps``) around a transform that gossips still runs the gossip for every
-    node (a collective has no per-node branch): a skipped node's NaN gradient reaches its
-    neighbours through the exchange. Use `gj.guard_finite` for a node that must skip its
-    step without its neighbours seeing it.
+    node (a collective has no per-node branch), on the schedule of the shared step count.
+    `gj.mix`, and the methods built on it (`gj.gossip_sgd`, ``gj.chain(adam, gj.mix(W))``),
+    send a node's current params in place of a non-finite ``x + u``, so a gated node's NaN
+    never reaches its neighbours; the other methods' exchanges have no such guard: put them
+    under `gj.guard_finite`, which skips a node's step for every method.
 
   Args:
     tx: an optax transform written for one node's params.

@@ -237,3 +237,17 @@ def test_the_participation_mask_has_one_entry_per_node_in_both_forms():
   with pytest.raises(ValueError, match=r"gj.chain: the extra argument up is one value per node, so it needs a "
                                        r"leading axis of 4 \(shape \(4, \.\.\.\)\); got shape \(\)"):
     mapped.update(grads[0], mapped.init(params), params, up=True)
+
+
+def test_a_gated_nodes_nan_never_reaches_its_neighbours():
+  params, grads = _params_grads(7, steps=1)
+  nan = jax.tree.map(lambda g: g.at[1].set(jnp.nan), grads[0])
+  gated = gj.chain(optax.apply_if_finite(gj.gossip_sgd(W, beta=0.9, learning_rate=0.1), 3))
+  guarded = gj.chain(gj.guard_finite(gj.gossip_sgd(W, beta=0.9, learning_rate=0.1)))
+  u, _ = gated.update(nan, gated.init(params), params)
+  v, _ = guarded.update(nan, guarded.init(params), params)
+  for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(v)):
+    assert bool(jnp.isfinite(a).all())
+    np.testing.assert_array_equal(a[1], 0.0)  # the gated node skips its step
+    # Its neighbours mixed its current params, as under gj.guard_finite.
+    np.testing.assert_allclose(a[np.r_[0, 2, 3]], b[np.r_[0, 2, 3]], rtol=0, atol=1e-12)
