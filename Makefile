@@ -34,11 +34,14 @@ install-mpi: $(VENV)/.installed-mpi
 demo: $(VENV)/.installed-train
 	$(BIN)/gossipjax train
 
-# Lint and types first (seconds), then the tests.
+# Lint and types first (seconds), then the tests on PYTEST_WORKERS processes (pytest-xdist): most of a JAX
+# test is single-threaded compiling, so 2 workers keep 2 cores busy. A module's tests stay on one worker (its
+# fixtures are built once); an MPI launch runs alone (see conftest.py). PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
 test: install-mpi
 	$(BIN)/ruff check .
 	$(BIN)/basedpyright --project pyproject.toml
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope
 
 # The documentation site (docs/_build/html/index.html): every guide and notebook is executed,
 # and a warning fails the build (tests/test_docs.py runs the same build).

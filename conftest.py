@@ -1,4 +1,6 @@
+import fcntl
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -30,3 +32,24 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "mpi" in item.keywords or item.nodeid.startswith(_MPI_DOCTEST_FILES):
       item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _mpi_launches_run_alone(request, tmp_path_factory):
+  """Under pytest-xdist (``make test`` runs 2 workers), a test marked ``mpi`` runs while no other test does.
+
+  Its ranks busy-wait for each other, so a second launch, or any other test, on the same 2 cores would slow
+  every rank down. The other tests share the lock; a turnstile lets a waiting MPI test in before new ones.
+  """
+  if "PYTEST_XDIST_WORKER" not in os.environ:
+    yield
+    return
+  shared = tmp_path_factory.getbasetemp().parent  # the same folder for every worker of this run
+  with open(shared / "turnstile.lock", "a") as turnstile, open(shared / "mpi.lock", "a") as lock:
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    fcntl.flock(lock, fcntl.LOCK_EX if "mpi" in request.node.keywords else fcntl.LOCK_SH)
+    fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)

@@ -41,9 +41,13 @@ source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-n
 
 html_theme = "sphinx_book_theme"
 html_title = "gossipjax"
+# The sidebar shows the sections of the page's own branch, not every page of the site: the
+# full tree (250 pages, most of them API pages) rendered into every page costs half of the
+# build's page writing and makes each page's sidebar hundreds of links long.
 html_theme_options = {
   "show_toc_level": 2,
   "navigation_with_keys": False,
+  "collapse_navbar": True,
 }
 
 # MyST: $...$ maths, ::: fences, headings usable as link targets.

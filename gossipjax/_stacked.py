@@ -12,6 +12,16 @@ from jax.sharding import PartitionSpec as P
 from gossipjax.backend._base import auto_where_explicit
 from gossipjax.backend._precision import mean_terms
 
+
+def _stack(tree: Any, num_nodes: int) -> Any:
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_nodes,) + jnp.shape(x)), tree)
+
+
+# One compiled program per tree structure, leaf shapes and n, which later calls reuse (the runs of a job share it);
+# broadcasting and copying leaf by leaf, eagerly, compiles two programs per leaf shape and n.
+_stack = jax.jit(_stack, static_argnums=1)
+
+
 def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: int, same_init: bool = True) -> Any:
   """Params for ``num_nodes`` nodes, every leaf with a leading node axis.
 
@@ -37,8 +47,7 @@ def init_nodes(init_fn: Callable[[jax.Array], Any], key: jax.Array, num_nodes: i
   if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)) or num_nodes < 1:
     raise ValueError(f"gj.init_nodes: num_nodes must be a positive integer, got {num_nodes!r}")
   if same_init:
-    params = init_fn(key)
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_nodes,) + jnp.shape(x)).copy(), params)
+    return _stack(init_fn(key), int(num_nodes))
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_nodes))
   return jax.vmap(init_fn)(keys)
 

@@ -21,6 +21,32 @@ def test_init_nodes_same_and_independent():
     gj.init_nodes(init, jax.random.key(0), 0)
 
 
+def test_init_nodes_stacks_the_whole_tree_in_one_program_that_later_calls_reuse():
+  """The same leaves (values, dtypes, weak types, PRNG keys) as broadcasting ``init_fn(key)`` by hand, copied by one
+  compiled program for the tree, not one per leaf, and none at all for a later call on the same shapes."""
+  tree = {"w": jnp.arange(21.0, dtype=jnp.float32).reshape(3, 7), "b": jnp.arange(11), "s": 1.5,
+          "h": jnp.ones((2, 5), jnp.bfloat16), "key": jax.random.key(3)}
+  compiles = []
+  listener = lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    p = gj.init_nodes(lambda k: tree, jax.random.key(0), 13)
+    first = len(compiles)
+    again = gj.init_nodes(lambda k: dict(tree), jax.random.key(1), 13)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert first == 1 and len(compiles) == first
+  for stacked in (p, again):
+    for name, leaf in tree.items():
+      want = jnp.broadcast_to(leaf, (13,) + jnp.shape(leaf))
+      assert stacked[name].shape == want.shape and stacked[name].dtype == want.dtype, name
+      if name == "key":
+        np.testing.assert_array_equal(jax.random.key_data(stacked[name]), jax.random.key_data(want))
+      else:
+        assert stacked[name].weak_type == want.weak_type, name  # a Python float stays weakly typed
+        np.testing.assert_array_equal(np.asarray(stacked[name]), np.asarray(want))
+
+
 def test_consensus_distance_and_node_mean_match_numpy():
   p = gj.init_nodes(init, jax.random.key(1), 6, same_init=False)
   flat = np.concatenate([np.asarray(p["b"]).reshape(6, -1), np.asarray(p["w"]).reshape(6, -1)], axis=1)
