@@ -145,9 +145,9 @@ class _NodeMap:
       return self.inner.init(params)
     params = _materialize(params)
     _leading(params, self.where)
-    lay = self.layout(params)
-    out_axes = jax.tree.unflatten(lay.treedef, [None if s else 0 for s in lay.shared])
     try:
+      lay = self.layout(params)
+      out_axes = jax.tree.unflatten(lay.treedef, [None if s else 0 for s in lay.shared])
       state = self._run(self._init_one, (0,), out_axes, (params,), ("init", lay))
     except TypeError as e:
       raise TypeError(f"{self.where}: the state of this transform cannot be stacked over nodes "
@@ -268,7 +268,7 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
     ``optax.MultiSteps``) around a transform that gossips still runs the gossip for every
     node (a collective has no per-node branch), on the schedule of the shared step count.
     `gj.mix`, and the methods built on it (`gj.gossip_sgd`, ``gj.chain(adam, gj.mix(W))``),
-    send a node's current params in place of a non-finite ``x + u``, so a gated node's NaN
+    send the params' entry in place of a non-finite entry of ``x + u``, so a gated node's NaN
     never reaches its neighbours; the other methods' exchanges have no such guard: put them
     under `gj.guard_finite`, which skips a node's step for every method.
 

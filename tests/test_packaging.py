@@ -13,9 +13,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "gossipjax"
 
 # A process about to deadlock XLA's CPU client (8 CPU devices, a pool of 8 threads) that never calls
 # reserve_cpu_threads: importing every module of gossipjax must leave its environment as JAX's own
-# import left it, and building a sharded backend must warn with the line that fixes it.
+# import left it, and building a sharded backend must refuse with the line that fixes it.
 _IMPORT_CHILD = textwrap.dedent("""
-    import json, os, pkgutil, importlib, warnings
+    import json, os, pkgutil, importlib
     import jax, numpy, optax, scipy
     before = dict(os.environ)
     import gossipjax
@@ -25,22 +25,24 @@ _IMPORT_CHILD = textwrap.dedent("""
     changed = {k: v for k, v in os.environ.items() if before.get(k) != v}
     removed = sorted(set(before) - set(os.environ))
     mesh = jax.make_mesh((8,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,))
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter("always")
+    try:
       gossipjax.backend.sharded(mesh)
-    print(json.dumps({"changed": changed, "removed": removed, "warnings": [str(w.message) for w in caught]}))
+      refused = ""
+    except RuntimeError as e:
+      refused = str(e)
+    print(json.dumps({"changed": changed, "removed": removed, "refused": refused}))
 """)
 
 
-def test_importing_gossipjax_changes_no_environment_variable_and_warns_where_the_cpu_pool_is_too_small():
+def test_importing_gossipjax_changes_no_environment_variable_and_refuses_where_the_cpu_pool_is_too_small():
   env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC", "XLA_FLAGS")}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", NPROC="2", JAX_PLATFORMS="cpu")
   res = subprocess.run([sys.executable, "-c", _IMPORT_CHILD], env=env, capture_output=True, text=True, timeout=120)
   assert res.returncode == 0, res.stderr[-3000:]
   seen = json.loads(res.stdout.strip().splitlines()[-1])
   assert seen["changed"] == {} and seen["removed"] == []
-  assert any("Fix: call `gj.backend.reserve_cpu_threads()`" in w and "PJRT_NPROC=16" in w for w in seen["warnings"]), \
-      seen["warnings"]
+  assert "call `gj.backend.reserve_cpu_threads()` first" in seen["refused"], seen["refused"]
+  assert "PJRT_NPROC=16" in seen["refused"], seen["refused"]
 
 
 def test_no_module_of_gossipjax_imports_a_private_module_of_another_package():

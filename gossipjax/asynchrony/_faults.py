@@ -244,6 +244,14 @@ def renormalize(w: jax.Array, up: jax.Array, delivered: jax.Array | None = None)
   return off + jnp.diag(1.0 - off.sum(axis=1))
 
 
+class FaultyMixState(NamedTuple):
+  """State of `faulty_mix`: the step count, one value for every node, which picks W(k)."""
+
+  shared_over_nodes = ("count",)  # the step count every node holds alike (it picks W(k))
+
+  count: jax.Array
+
+
 def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
   r"""``gj.mix`` that tolerates down nodes and lost messages, on the topology's sparse plans.
 
@@ -284,7 +292,7 @@ def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
 
   def init_fn(params):
     del params
-    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+    return FaultyMixState(count=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None, *, up=None, delivered=None, loss_key=None, loss_prob=None, **extra):
     del extra
@@ -307,7 +315,7 @@ def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
       x_half = x + jnp.where(up.reshape((n,) + (1,) * (u.ndim - 1)), u, jnp.zeros_like(u))
       return (mix_from_table(self_coef, src, coef, x_half) - x).astype(x.dtype)
 
-    return jax.tree.map(leaf, params, updates), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+    return jax.tree.map(leaf, params, updates), FaultyMixState(count=optax.safe_increment(state.count))
 
   # Its own code reads the node axis (which nodes are up, who sent what): inside gj.chain it
   # runs on the stacked nodes as a collective.

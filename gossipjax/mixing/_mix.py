@@ -11,7 +11,6 @@ from jax import lax
 
 from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._validation import check_node_axis, check_period, require_params
-from gossipjax._axis import mapping
 from gossipjax.mixing._contract import float_leaves_only, make_mixer, next_count
 from gossipjax.backend._base import Backend
 
@@ -51,9 +50,9 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
       ``optax.inject_hyperparams`` it may be a traced integer (it can change between steps).
     backend: where the nodes live (default: ``gj.backend.simulate()``).
 
-  A node whose ``u`` is not finite (NaN or inf anywhere) sends its current params ``x`` and
-  keeps its own ``u`` as its update, so its NaN never reaches a neighbour; a per-node gate
-  around the method (``optax.apply_if_finite`` inside ``gj.chain``) then skips that node.
+  A non-finite entry of ``x + u`` (a NaN or inf in a node's ``u``) is sent as the entry of
+  ``x`` and kept in that node's own update, so a NaN never reaches a neighbour; a per-node
+  gate around the method (``optax.apply_if_finite`` inside ``gj.chain``) then skips that node.
 
   Under ``gj.guard_finite`` the update takes the extra arg ``skip_nodes`` (a
   ``gj.SkipNodes``): those nodes' local updates are zeroed before mixing (they send their
@@ -85,18 +84,6 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
   return mix_named("gj.mix", topology, every, backend)
 
 
-def _nonfinite(tree: Any) -> jax.Array:
-  """Per node, whether any entry of ``tree`` is NaN or inf: ``(n,)`` on stacked trees, a scalar for one node."""
-  if mapping() is not None:
-    return ~jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-  flags = [jnp.all(jnp.isfinite(x), axis=tuple(range(1, jnp.ndim(x)))) for x in jax.tree.leaves(tree)]
-  return ~jnp.all(jnp.stack(flags), axis=0)
-
-
-def _where_node(bad: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-  return jnp.where(bad.reshape(bad.shape + (1,) * (jnp.ndim(a) - bad.ndim)), a, b)
-
-
 def mix_named(name: str, topology: Any, every: int = 1,
               backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
   """`mix`, with ``name`` (the public function called, e.g. ``"gj.gossip_sgd"``) in its error messages."""
@@ -115,13 +102,13 @@ def mix_named(name: str, topology: Any, every: int = 1,
     x_half = jax.tree.map(lambda x, u: x + u, params, updates)
 
     def gossip(x_half):
-      # A node whose update is not finite sends its current params and keeps its own update, so its
-      # NaN never reaches a neighbour (and a per-node gate such as apply_if_finite still sees it).
-      bad = _nonfinite(updates)
-      sent = jax.tree.map(lambda x, h: _where_node(bad, x, h), params, x_half)
+      # A non-finite entry of x + u is sent as x's and kept in the node's own update, so a NaN never
+      # reaches a neighbour (and a per-node gate such as apply_if_finite still sees it). Entry by
+      # entry: no reduction over a node that spans devices.
+      sent = jax.tree.map(lambda x, h: jnp.where(jnp.isfinite(h), h, x.astype(h.dtype)), params, x_half)
       mixed = mixer.mix(sent, state.count // period)
-      return jax.tree.map(lambda m, x, u: _where_node(bad, u.astype(x.dtype), m.astype(x.dtype) - x), mixed, params,
-                          updates)
+      return jax.tree.map(lambda m, x, h, u: jnp.where(jnp.isfinite(h), m.astype(x.dtype) - x, u.astype(x.dtype)),
+                          mixed, params, x_half, updates)
 
     if isinstance(period, int) and period == 1:
       new_updates = gossip(x_half)
