@@ -315,7 +315,7 @@ def faulty_mix(topology: Any) -> optax.GradientTransformationExtraArgs:
       x_half = x + jnp.where(up.reshape((n,) + (1,) * (u.ndim - 1)), u, jnp.zeros_like(u))
       return (mix_from_table(self_coef, src, coef, x_half) - x).astype(x.dtype)
 
-    return jax.tree.map(leaf, params, updates), FaultyMixState(count=optax.safe_increment(state.count))
+    return jax.tree.map(leaf, params, updates), FaultyMixState(count=jnp.asarray(optax.safe_increment(state.count)))
 
   # Its own code reads the node axis (which nodes are up, who sent what): inside gj.chain it
   # runs on the stacked nodes as a collective.
