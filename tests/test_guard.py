@@ -202,16 +202,21 @@ def test_a_nan_learning_rate_skips_the_step_and_is_counted(name):
   assert gj.nonfinite_counts(state).tolist() == [1] * N
 
 
-def test_an_overflowing_update_skips_its_node_and_the_neighbours_that_mixed_it():
-  tx = gj.guard_finite(gj.gossip_sgd(gj.topology.ring(N), learning_rate=1.0))
+def test_an_overflowing_update_skips_its_node_alone_and_its_neighbours_mix_its_params():
+  W = gj.topology.ring(N)
+  tx = gj.guard_finite(gj.gossip_sgd(W, learning_rate=1.0))
   x = jnp.ones((N, D), jnp.float32).at[3].set(3e38)
   g = jnp.ones((N, D), jnp.float32).at[3].set(-3e38)  # finite, but x - g overflows at node 3
   u, state = jax.jit(tx.update)(g, tx.init(x), x)
-  skipped = [0, 0, 1, 1, 1, 0, 0, 0]
-  assert gj.nonfinite_counts(state).tolist() == skipped
+  assert gj.nonfinite_counts(state).tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
   assert np.isfinite(u).all()
-  np.testing.assert_array_equal(np.asarray(u)[np.asarray(skipped, bool)], 0)
+  np.testing.assert_array_equal(np.asarray(u)[3], 0)
   np.testing.assert_allclose(np.asarray(u)[[0, 1, 5, 6, 7]], -1.0, rtol=1e-6)
+  # Node 3's overflowing x + u never left it: nodes 2 and 4 mixed its current params.
+  sent = np.asarray(x, np.float64) - 1.0
+  sent[3] = 3e38
+  want = np.asarray(W.matrix()) @ sent - np.asarray(x, np.float64)
+  np.testing.assert_allclose(np.asarray(u)[[2, 4]], want[[2, 4]], rtol=1e-6)
 
 
 class _AtcState(NamedTuple):

@@ -51,7 +51,7 @@ def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> opt
     backend: where the nodes live (default: ``gj.backend.simulate()``).
 
   A non-finite entry of ``x + u`` (a NaN or inf in a node's ``u``) is sent as the entry of
-  ``x`` and kept in that node's own update, so a NaN never reaches a neighbour; a per-node
+  ``x`` and kept in that node's own step (``x + u - x``), so a NaN never reaches a neighbour; a per-node
   gate around the method (``optax.apply_if_finite`` inside ``gj.chain``) then skips that node.
 
   Under ``gj.guard_finite`` the update takes the extra arg ``skip_nodes`` (a
@@ -102,13 +102,13 @@ def mix_named(name: str, topology: Any, every: int = 1,
     x_half = jax.tree.map(lambda x, u: x + u, params, updates)
 
     def gossip(x_half):
-      # A non-finite entry of x + u is sent as x's and kept in the node's own update, so a NaN never
+      # A non-finite entry of x + u is sent as x's and kept in the node's own step, so a NaN never
       # reaches a neighbour (and a per-node gate such as apply_if_finite still sees it). Entry by
       # entry: no reduction over a node that spans devices.
       sent = jax.tree.map(lambda x, h: jnp.where(jnp.isfinite(h), h, x.astype(h.dtype)), params, x_half)
       mixed = mixer.mix(sent, state.count // period)
-      return jax.tree.map(lambda m, x, h, u: jnp.where(jnp.isfinite(h), m.astype(x.dtype) - x, u.astype(x.dtype)),
-                          mixed, params, x_half, updates)
+      return jax.tree.map(lambda m, x, h: jnp.where(jnp.isfinite(h), m.astype(x.dtype) - x, h.astype(x.dtype) - x),
+                          mixed, params, x_half)
 
     if isinstance(period, int) and period == 1:
       new_updates = gossip(x_half)
