@@ -17,12 +17,12 @@ gj.backend.reserve_cpu_threads()  # before JAX's first computation: threads for 
 
 def main():
   k = jax.device_count()
-  backend = gj.backend.pmapped(axis_name="nodes")
+  backend = gj.backend.pmapped(axis_name="devices")
   tx = p.optimizer(backend)
   # (n, ...) -> (devices, n / devices, ...): device d holds nodes d*B ... d*B + B - 1.
   x, a, b = (v.reshape((k, -1) + v.shape[1:]) for v in p.data())
   state = jax.pmap(tx.init)(x)
-  step = jax.pmap(p.make_step(tx, backend), axis_name="nodes")
+  step = jax.pmap(p.make_step(tx, backend), axis_name="devices")
   for _ in range(p.STEPS):
     x, state = step(x, state, a, b)
   print(f"params in blocks of {x.shape[1]} nodes on {len(x.sharding.device_set)} devices")

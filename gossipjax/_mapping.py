@@ -86,7 +86,14 @@ class _NodeMap:
   def _mapped(self, fn: Callable[..., Any], in_axes: Any, out_axes: Any) -> Callable[..., Any]:
     def one(*args):
       with mapped(self.axis):
-        return fn(*args)
+        try:
+          return fn(*args)
+        except NameError as e:
+          if "unbound axis name" not in str(e):
+            raise
+          raise ValueError(f"{self.where}: a collective over an axis that is not bound here "
+                           f"({str(e).splitlines()[0]}); the node axis has no string name: for the mean over all "
+                           "nodes call gj.node_mean(x) (every backend), for a gossip round gj.mix") from e
 
     return jax.vmap(one, in_axes=in_axes, out_axes=out_axes, axis_name=self.axis)
 

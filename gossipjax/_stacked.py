@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from gossipjax._axis import mapping
 from gossipjax.backend._base import auto_where_explicit
 from gossipjax.backend._precision import mean_terms
+from gossipjax.mixing._named import node_average
 
 
 def _stack(tree: Any, num_nodes: int) -> Any:
@@ -93,16 +95,25 @@ def node_mean(tree: Any) -> Any:
   integer step) are not averaged: as `mix` leaves them alone, the average model takes node
   0's. A 16-bit leaf is summed in float32 and returned in its own dtype.
 
+  Inside `gj.chain` / `gj.nodes`, where a transform sees one node's values, it is the
+  collective form: every node gets the mean over all nodes, on every backend (the devices of
+  a sharded or pmapped run and the ranks of an MPI run included). It is the public
+  collective over the node axis: that axis has no string name, so a raw
+  ``lax.pmean(x, "nodes")`` there is refused.
+
   Args:
-    tree: a pytree whose leaves carry a leading node axis.
+    tree: a pytree whose leaves carry a leading node axis (inside a mapping: one node's
+      floating-point values).
 
   Returns:
     ``tree`` with the node axis averaged out of every float leaf, and node 0's value of every
-    other leaf (one model).
+    other leaf (one model). Inside a mapping: the mean over all nodes, on every node.
 
   Raises:
-    TypeError: a leaf is not an array (a Python number), or neither a number nor a PRNG key.
-    ValueError: a leaf has no node axis, or a node axis of another size; the message names it.
+    TypeError: a leaf is not an array (a Python number), or neither a number nor a PRNG key;
+      inside a mapping, a leaf is not floating point.
+    ValueError: a leaf has no node axis, or a node axis of another size; the message names it;
+      inside `gj.per_node`, which maps a local transform.
 
   Example:
     >>> import jax, jax.numpy as jnp, gossipjax as gj
@@ -112,6 +123,8 @@ def node_mean(tree: Any) -> Any:
     >>> mean["w"].tolist(), mean["count"].tolist(), mean["key"].shape
     ([1.0, 3.0], 3, ())
   """
+  if mapping() is not None:
+    return _mean_over_all_nodes(tree)
   _node_leaves(tree, "gj.node_mean")
   # Measured from node 0 and scaled before the sum: nodes that agree give node 0's value
   # exactly, and nodes near the dtype's largest value keep a finite mean.
@@ -119,6 +132,17 @@ def node_mean(tree: Any) -> Any:
   # On a mesh, each result keeps its leaf's layout on the other mesh axes.
   return auto_where_explicit(lambda t: jax.tree.map(lambda x: mean(x) if _is_float(x) else x[0], t), tree,
                              lambda specs: jax.tree.map(lambda s: P(*s[1:]), specs, is_leaf=_is_spec))
+
+
+def _mean_over_all_nodes(tree: Any) -> Any:
+  """Inside a mapping, the mean over all nodes of one node's float ``tree``, on every node."""
+  current = mapping()
+  assert current is not None
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    if not _is_float(jnp.asarray(x)):
+      raise TypeError(f"gj.node_mean inside {current.where}: leaf {jax.tree_util.keystr(path) or '<root>'} has dtype "
+                      f"{jnp.asarray(x).dtype}; the mean over all nodes takes floating-point leaves")
+  return node_average(current.backend, jax.tree.map(jnp.asarray, tree), "gj.node_mean")
 
 
 def consensus_distance(tree: Any) -> jax.Array:

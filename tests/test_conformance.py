@@ -54,12 +54,12 @@ def _pmapped(devices: int = 4) -> cc.Harness:
                         tree)
 
   def pmap(fn):  # jax.pmap is jit of shard_map: the outer jit changes nothing but takes the compiler options
-    return cc.jit(jax.pmap(fn, axis_name="nodes", devices=jax.devices()[:devices]))
+    return cc.jit(jax.pmap(fn, axis_name="devices", devices=jax.devices()[:devices]))
 
   def rows(x):
     return cc.flat(jax.tree.map(lambda v: np.asarray(v).reshape((N,) + v.shape[2:]), x))
 
-  return cc.Harness("pmapped", gj.backend.pmapped("nodes", axis_size=devices), N, place=blocks, place_data=blocks,
+  return cc.Harness("pmapped", gj.backend.pmapped("devices", axis_size=devices), N, place=blocks, place_data=blocks,
                     wrap=pmap, wrap_init=pmap, precompile=False, rows=rows)
 
 

@@ -251,3 +251,32 @@ def test_a_gated_nodes_nan_never_reaches_its_neighbours():
     np.testing.assert_array_equal(a[1], 0.0)  # the gated node skips its step
     # Its neighbours mixed its current params, as under gj.guard_finite.
     np.testing.assert_allclose(a[np.r_[0, 2, 3]], b[np.r_[0, 2, 3]], rtol=0, atol=1e-12)
+
+
+def _to_the_mean(mean):
+  """A one-node transform that moves each node to ``mean(params)``: u = mean(x) - x."""
+  return optax.GradientTransformation(lambda p: optax.EmptyState(), lambda u, s, p=None: (mean(p) - p, s))
+
+
+def test_the_collective_over_all_nodes_is_gj_node_mean_and_a_raw_one_is_refused_by_name():
+  """One meaning of the node axis: gj.node_mean is the mean over all nodes on the simulation and 8 devices.
+
+  The pmapped backend (tests/backend/test_backend_pmapped.py) and MPI ranks (tests/mpi/check_rank_one.py)
+  check the same; a raw lax.pmean over "nodes" is refused there too.
+  """
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(8, 3)))
+  mesh = jax.make_mesh((8,), ("nodes",), axis_types=(jax.sharding.AxisType.Explicit,))
+  for backend in (gj.backend.simulate(), gj.backend.sharded(mesh)):
+    tx = gj.chain(_to_the_mean(gj.node_mean), backend=backend)
+    for call in (lambda v: v + tx.update(v, tx.init(v), v)[0], jax.jit(lambda v: v + tx.update(v, tx.init(v), v)[0])):
+      np.testing.assert_allclose(call(x), np.broadcast_to(x.mean(axis=0), x.shape), rtol=0, atol=1e-14)
+    raw = gj.chain(_to_the_mean(lambda p: lax.pmean(p, "nodes")), backend=backend)
+    with pytest.raises(ValueError, match=r"gj\.chain: a collective over an axis that is not bound.*gj\.node_mean"):
+      raw.update(x, raw.init(x), x)
+  with pytest.raises(ValueError, match=r"gj\.node_mean communicates .* gj\.per_node"):
+    local = gj.per_node(_to_the_mean(gj.node_mean))
+    local.update(x, local.init(x), x)
+  with pytest.raises(TypeError, match=r"gj\.node_mean inside gj\.chain: leaf \['k'\] has dtype int32"):
+    ints = gj.chain(optax.GradientTransformation(lambda p: optax.EmptyState(),
+                                                 lambda u, s, p=None: (gj.node_mean(u), s)))
+    ints.update({"k": jnp.ones((4, 2), jnp.int32)}, ints.init({"k": jnp.ones((4, 2), jnp.int32)}))

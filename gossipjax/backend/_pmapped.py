@@ -111,17 +111,22 @@ class Pmapped:
 
   Example:
     >>> import gossipjax as gj
-    >>> be = gj.backend.Pmapped("nodes", axis_size=2)
+    >>> be = gj.backend.Pmapped("devices", axis_size=2)
     >>> be.num_devices, be.local_nodes(8)  # 4 nodes per device
     (2, 4)
   """
 
-  axis_name: str = "nodes"
+  axis_name: str = "devices"
   axis_size: int | None = None
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
   def __post_init__(self):
     check_bucket_bytes(self.bucket_bytes, "gj.backend.pmapped")
+    if self.axis_name == "nodes":
+      raise ValueError("gj.backend.pmapped: the pmap axis runs over devices, each with a block of nodes, so it may not "
+                       "be named 'nodes' (a collective over it would miss the nodes of a block); name it otherwise in "
+                       "both places, e.g. gj.backend.pmapped('devices') and jax.pmap(..., axis_name='devices'), and "
+                       "take the mean over all nodes with gj.node_mean")
 
   @property
   def num_devices(self) -> int:
@@ -191,15 +196,20 @@ class Pmapped:
     return vmap_nodes(fn, in_axes, expected, where)
 
 
-def pmapped(axis_name: str = "nodes", axis_size: int | None = None, *,
+def pmapped(axis_name: str = "devices", axis_size: int | None = None, *,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Pmapped:
   """For transforms called inside ``jax.pmap(..., axis_name=axis_name)``.
 
   Each device passes its own block of B = n / axis_size nodes (leading axis B); the
   mixing is ``lax.ppermute`` over the pmap axis, at most two per cyclic shift.
 
+  The pmap axis runs over devices, not nodes, so it may not be named ``"nodes"``: inside
+  `gj.chain` a raw collective over that name would run over the devices only. The mean over
+  all nodes there is `gj.node_mean`, on every backend.
+
   Args:
-    axis_name: the ``axis_name`` of the ``jax.pmap`` the transforms are called in.
+    axis_name: the ``axis_name`` of the ``jax.pmap`` the transforms are called in (default
+      ``"devices"``).
     axis_size: the number of devices the pmap runs over (default: ``jax.device_count()``).
     bucket_bytes: the most bytes of one node's leaves packed into one message (default
       25 MiB, PyTorch DDP's bucket size).
@@ -212,9 +222,9 @@ def pmapped(axis_name: str = "nodes", axis_size: int | None = None, *,
 
     >>> import jax, jax.numpy as jnp, numpy as np, gossipjax as gj
     >>> k = jax.device_count()
-    >>> tx = gj.gossip_sgd(gj.topology.ring(2 * k), learning_rate=0.1, backend=gj.backend.pmapped("nodes"))
+    >>> tx = gj.gossip_sgd(gj.topology.ring(2 * k), learning_rate=0.1, backend=gj.backend.pmapped("devices"))
     >>> x = jnp.arange(2.0 * k).reshape(k, 2, 1)  # (device, node of the block, parameter)
-    >>> step = jax.pmap(lambda x: x + tx.update(jnp.zeros_like(x), tx.init(x), x)[0], axis_name="nodes")
+    >>> step = jax.pmap(lambda x: x + tx.update(jnp.zeros_like(x), tx.init(x), x)[0], axis_name="devices")
     >>> np.allclose(step(x).reshape(2 * k), gj.topology.ring(2 * k).matrix() @ np.arange(2 * k))
     True
   """

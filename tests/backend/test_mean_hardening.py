@@ -45,9 +45,9 @@ def test_mean_of_nodes_at_the_largest_values_is_finite(name):
 
 def test_pmapped_mean_of_nodes_at_the_largest_values_is_finite():
   k = len(jax.devices())
-  be = gj.backend.pmapped("nodes")
+  be = gj.backend.pmapped("devices")
   tree = jax.tree.map(lambda x: x.reshape((k, 2) + x.shape[1:]), _big_tree(2 * k))
-  _check_mean(jax.pmap(be.mean, axis_name="nodes")(tree), tree)
+  _check_mean(jax.pmap(be.mean, axis_name="devices")(tree), tree)
 
 
 def test_the_mean_is_still_the_mean():

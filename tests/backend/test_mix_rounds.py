@@ -43,9 +43,9 @@ def test_the_rounds_sum_to_w_and_every_backend_gives_the_same_rounds(topo):
     for k in x:
       np.testing.assert_allclose(r[k], want[k], rtol=0, atol=1e-14)
 
-  pm = make_mixer(topo, gj.backend.pmapped("nodes", axis_size=8))
+  pm = make_mixer(topo, gj.backend.pmapped("devices", axis_size=8))
   blocks = jax.tree.map(lambda v: v.reshape((8, 2) + v.shape[1:]), x)
-  got = jax.pmap(pm.mix_rounds, axis_name="nodes")(blocks)
+  got = jax.pmap(pm.mix_rounds, axis_name="devices")(blocks)
   for r, want in zip(got, rounds):
     for k in x:
       np.testing.assert_allclose(np.asarray(r[k]).reshape(want[k].shape), want[k], rtol=0, atol=1e-14)

@@ -75,9 +75,9 @@ def test_map_takes_pytree_prefixes_of_in_axes(sharded):
 
 def test_pmapped_map_runs_inside_the_pmap():
   w, x, y = _problem()
-  be = gj.backend.pmapped("nodes", axis_size=K)
+  be = gj.backend.pmapped("devices", axis_size=K)
   blocks = lambda a: a.reshape((K, N // K) + a.shape[1:])
-  got = jax.pmap(be.map(jax.grad(_loss), num_nodes=N), axis_name="nodes")(blocks(w), blocks(x), blocks(y))
+  got = jax.pmap(be.map(jax.grad(_loss), num_nodes=N), axis_name="devices")(blocks(w), blocks(x), blocks(y))
   np.testing.assert_allclose(got.reshape(w.shape), jax.vmap(jax.grad(_loss))(w, x, y), rtol=0, atol=1e-12)
 
 

@@ -40,16 +40,16 @@ def test_an_ensemble_around_the_sharded_backend(members):
 @pytest.mark.parametrize("members", [4, 2])  # the device count, and this device's block of nodes
 def test_an_ensemble_inside_the_pmapped_backend(members):
   devices = 4
-  tx = gj.gossip_sgd(W, learning_rate=0.1, backend=gj.backend.pmapped("nodes", axis_size=devices))
+  tx = gj.gossip_sgd(W, learning_rate=0.1, backend=gj.backend.pmapped(axis_size=devices))
   params, grads = _ensemble(members)
   # (devices, members, N / devices, D): each device's block of every member's nodes.
   blocks = lambda x: jnp.moveaxis(x.reshape(members, devices, N // devices, D), 1, 0)
   step = lambda p, g: tx.update(g, tx.init(p), p)[0]
-  with pytest.raises(ValueError, match=r"runs inside a jax\.vmap whose axis is named 'nodes'.* name your vmap's "
+  with pytest.raises(ValueError, match=r"runs inside a jax\.vmap whose axis is named 'devices'.* name your vmap's "
                                        r"axis otherwise"):
-    jax.pmap(jax.vmap(step, axis_name="nodes"), axis_name="nodes", devices=jax.devices()[:devices])(
+    jax.pmap(jax.vmap(step, axis_name="devices"), axis_name="devices", devices=jax.devices()[:devices])(
         blocks(params), blocks(grads))
-  got = jax.pmap(jax.vmap(step, axis_name="ensemble"), axis_name="nodes", devices=jax.devices()[:devices])(
+  got = jax.pmap(jax.vmap(step, axis_name="ensemble"), axis_name="devices", devices=jax.devices()[:devices])(
       blocks(params), blocks(grads))
   got = jnp.moveaxis(got, 0, 1).reshape(members, N, D)
   np.testing.assert_allclose(got, _simulated(params, grads), rtol=0, atol=1e-12)

@@ -2,7 +2,9 @@
 
 Launched by ``tests/test_backend_mpi.py`` as ``mpiexec -n 4 python tests/mpi/check_rank_one.py``.
 Each rank mixes its block and compares it with its rows of ``W @ x``; also counts the MPI calls
-of one mix (one allreduce, no sendrecv) and mixes a 65,536-node star and complete graph.
+of one mix (one allreduce, no sendrecv) and mixes a 65,536-node star and complete graph. Inside
+``gj.chain``, ``gj.node_mean`` is the mean over every rank's nodes and a raw ``lax.pmean`` over
+``"nodes"`` is refused by name.
 Rank 0 prints one ``OK`` line per rank; a rank with any mismatch exits non-zero.
 """
 
@@ -36,6 +38,27 @@ def main() -> int:
     calls = {p: text.count(f"{p}_mpi[") for p in ("sendrecv", "allreduce", "allgather")}
     if calls != {"sendrecv": 0, "allreduce": 1, "allgather": 0}:
       errors.append(f"{topo.name}: MPI calls {calls}, expected one allreduce")
+
+  # Inside gj.chain: gj.node_mean averages over every rank's nodes; a raw pmean over "nodes" is refused.
+  import optax
+  from jax import lax
+
+  to_mean = optax.GradientTransformation(lambda p: optax.EmptyState(), lambda u, s, p=None: (gj.node_mean(p) - p, s))
+  tx = gj.chain(to_mean, backend=be)
+  block = jnp.asarray(x[mine])
+  for wrap in (jax.jit, lambda f: f):
+    got = np.asarray(wrap(lambda v: v + tx.update(v, tx.init(v), v)[0])(block))
+    err = float(np.max(np.abs(got - x.mean(axis=0))))
+    if not err <= 1e-13:
+      errors.append(f"gj.node_mean inside gj.chain: max |got - mean over all nodes| = {err:.3g}")
+  raw = gj.chain(optax.GradientTransformation(lambda p: optax.EmptyState(),
+                                              lambda u, s, p=None: (lax.pmean(u, "nodes"), s)), backend=be)
+  try:
+    raw.update(block, raw.init(block), block)
+    errors.append("a raw lax.pmean over 'nodes' inside gj.chain was not refused")
+  except ValueError as e:
+    if "gj.node_mean" not in str(e):
+      errors.append(f"the refusal of a raw lax.pmean does not name gj.node_mean: {e}")
 
   n, d = 65_536, 100
   for topo in (T.star(n, "metropolis"), T.complete(n)):

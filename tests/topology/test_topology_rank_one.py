@@ -127,7 +127,7 @@ def test_exact_averaging_of_large_values_does_not_overflow():
 
   x = jnp.full((8, 2), 3e38, jnp.float32)
   mixed = gj.backend.simulate().mixer(T.complete(8)).mix(x, 0)
-  one_device = jax.pmap(lambda b: gj.backend.pmapped(axis_size=1).mixer(T.complete(8)).mix(b, 0), axis_name="nodes",
+  one_device = jax.pmap(lambda b: gj.backend.pmapped(axis_size=1).mixer(T.complete(8)).mix(b, 0), axis_name="devices",
                         devices=jax.devices()[:1])(x[None])[0]
   for out in (mixed, one_device):
     assert bool(jnp.isfinite(out).all())
