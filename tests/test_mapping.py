@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -280,3 +282,67 @@ def test_the_collective_over_all_nodes_is_gj_node_mean_and_a_raw_one_is_refused_
     ints = gj.chain(optax.GradientTransformation(lambda p: optax.EmptyState(),
                                                  lambda u, s, p=None: (gj.node_mean(u), s)))
     ints.update({"k": jnp.ones((4, 2), jnp.int32)}, ints.init({"k": jnp.ones((4, 2), jnp.int32)}))
+
+
+_STATIC = ("inner", "inner_steps", "num_fragments", "overlap", "key", "every", "compressor")
+# Each method with the hyperparameter set per node, and the rest of its arguments.
+_METHODS = {
+    "gossip_sgd": (gj.gossip_sgd, "learning_rate", dict(topology=W, beta=0.5, learning_rate=0.1)),
+    "allreduce_sgd": (gj.allreduce_sgd, "beta", dict(beta=0.5, learning_rate=0.1)),
+    "decentlam": (gj.decentlam, "learning_rate", dict(topology=W, beta=0.5, learning_rate=0.1)),
+    "qg_dmsgd": (gj.qg_dmsgd, "beta", dict(topology=W, beta=0.5, learning_rate=0.1)),
+    "sgp": (gj.sgp, "learning_rate", dict(topology=gj.topology.exponential(N), learning_rate=0.1)),
+    "gradient_tracking": (gj.gradient_tracking, "learning_rate", dict(topology=W, learning_rate=0.1)),
+    "exact_diffusion": (gj.exact_diffusion, "learning_rate", dict(topology=W, learning_rate=0.1)),
+    "extra": (gj.extra, "learning_rate", dict(topology=W, learning_rate=0.1)),
+    "easgd": (gj.easgd, "alpha", dict(learning_rate=0.1, alpha=0.05)),
+    "choco_sgd": (gj.choco_sgd, "consensus_step", dict(topology=W, compressor=gj.compress.top_k(1),
+                                                       learning_rate=0.1, consensus_step=0.5)),
+    "diloco": (gj.diloco, "outer_learning_rate", dict(inner=optax.sgd(0.1), inner_steps=2)),
+    "noloco": (gj.noloco, "outer_learning_rate", dict(inner=optax.sgd(0.1), topology=gj.topology.random_pairs(N), inner_steps=2)),
+    "streaming_diloco": (gj.streaming_diloco, "outer_learning_rate",
+                         dict(inner=optax.sgd(0.1), num_fragments=2, inner_steps=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(_METHODS))
+def test_a_hyperparameter_per_node_is_one_contract_stacked_and_inside_gj_chain(name):
+  """optax.inject_hyperparams(method) takes one value per node bare on stacked trees as inside gj.chain."""
+  factory, hp, kwargs = _METHODS[name]
+  rng = np.random.default_rng(5)
+  x = {"w": jnp.asarray(rng.normal(size=(N, 2, 3))), "b": jnp.asarray(rng.normal(size=(N, 3)))}
+  grads = [jax.tree.map(lambda v: jnp.asarray(rng.normal(size=v.shape)), x) for _ in range(3)]
+  values = jnp.linspace(0.3, 0.9, N) * (0.2 if hp == "learning_rate" else 1.0)
+  static = tuple(k for k in _STATIC + ("seed",) if k in inspect.signature(factory).parameters)
+  injected = lambda **v: optax.inject_hyperparams(factory, static_args=static)(**{**kwargs, **v})
+
+  def run(tx, state, jit):
+    update = jax.jit(tx.update) if jit else tx.update
+    p = x
+    for g in grads:
+      u, state = update(g, state, p)
+      p = optax.apply_updates(p, u)
+    return p
+
+  chained = gj.chain(injected())
+  state = optax.tree_utils.tree_set(chained.init(x), **{hp: values})
+  want = run(chained, state, jit=False)
+  bare = injected(**{hp: values})
+  for jit in (False, True):
+    got = run(bare, bare.init(x), jit)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12), got, want)
+  # The values are each node's own: all of them at the first node's value differs.
+  same = run(chained, optax.tree_utils.tree_set(chained.init(x), **{hp: jnp.full(N, values[0])}), jit=False)
+  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(want))) > 1e-6
+  with pytest.raises(ValueError, match=rf"gj\.{name}: {hp} has 3 values, one per node, but the updates have {N} nodes"):
+    bad = injected(**{hp: values[:3]})
+    bad.update(grads[0], bad.init(x), x)
+
+
+def test_a_learning_rate_per_node_on_stacked_trees_is_each_nodes_own():
+  """D-PSGD with rate gamma_i at node i: x + u = W (x - gamma g), row by row."""
+  x, g = jnp.asarray(np.random.default_rng(6).normal(size=(2, N, 3)))
+  rates = jnp.array([0.1, 0.2, 0.3, 0.4])
+  tx = gj.gossip_sgd(W, learning_rate=rates)
+  u, _ = tx.update(g, tx.init(x), x)
+  np.testing.assert_allclose(x + u, WM @ (x - rates[:, None] * g), rtol=0, atol=1e-12)

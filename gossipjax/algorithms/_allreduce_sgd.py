@@ -11,6 +11,7 @@ from gossipjax._validation import check_learning_rate, check_momentum, is_zero, 
 from gossipjax.algorithms._common import check_state_dtype, in_dtypes_of_updates
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 from gossipjax.mixing._named import node_average
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 
@@ -26,6 +27,7 @@ def all_reduce(backend: Backend | None = None) -> optax.GradientTransformationEx
                            keep_other_updates=True)
 
 
+@node_hyperparameters("learning_rate", "beta")
 def allreduce_sgd(
     beta: float = 0.0,
     *,

@@ -22,6 +22,7 @@ from gossipjax.topology._plan import plan_from_edges
 from gossipjax._axis import mapping
 
 from gossipjax.compress import Compressor
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 class ChocoState(NamedTuple):
@@ -165,6 +166,7 @@ def _weigh(union: _UnionRounds, count: jax.Array, first_node: jax.Array | int, p
   return leaf
 
 
+@node_hyperparameters("learning_rate", "consensus_step")
 def choco_sgd(
     topology: Any,
     compressor: Compressor,

@@ -14,6 +14,7 @@ from gossipjax._validation import check_learning_rate, check_momentum
 from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 from gossipjax.mixing._contract import next_count
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 
@@ -53,6 +54,7 @@ class DecentLaMState(NamedTuple):
   momentum: Any
 
 
+@node_hyperparameters("learning_rate", "beta")
 def decentlam(
     topology: Any,
     beta: float = 0.0,

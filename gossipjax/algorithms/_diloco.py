@@ -9,8 +9,10 @@ from jax.typing import DTypeLike
 from gossipjax.algorithms._outer_optimizer import _outer_optimizer, check_outer_rates, check_transform
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
+@node_hyperparameters("outer_learning_rate", "outer_momentum")
 def diloco(
     inner: optax.GradientTransformation,
     *,

@@ -15,6 +15,7 @@ from gossipjax.algorithms._common import check_state_dtype, copy_of, in_state_dt
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
 from gossipjax.mixing._named import node_average
 from gossipjax.mixing._contract import next_count
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 
@@ -34,6 +35,7 @@ class EASGDState(NamedTuple):
   center: Any  # the center variable x_tilde, one (equal) copy per node
 
 
+@node_hyperparameters("learning_rate", "alpha", "center_rate")
 def easgd(
     *,
     learning_rate: optax.ScalarOrSchedule,

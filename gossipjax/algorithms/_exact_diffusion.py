@@ -10,6 +10,7 @@ from jax.typing import DTypeLike
 
 from gossipjax.algorithms._common import primal_dual_method
 from gossipjax.mixing import Backend
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 
@@ -28,6 +29,7 @@ class ExactDiffusionState(NamedTuple):
   psi: Any  # the previous adapted iterate psi^k = x^{k-1} - lr g^{k-1}  (psi^0 = x^0)
 
 
+@node_hyperparameters("learning_rate")
 def exact_diffusion(
     topology: Any,
     *,

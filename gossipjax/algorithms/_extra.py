@@ -10,6 +10,7 @@ from jax.typing import DTypeLike
 
 from gossipjax.algorithms._common import primal_dual_method
 from gossipjax.mixing import Backend
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 
@@ -28,6 +29,7 @@ class ExtraState(NamedTuple):
   correction: Any  # \tilde W x^{k-1} - lr g^{k-1}  (x^0 before the first step)
 
 
+@node_hyperparameters("learning_rate")
 def extra(
     topology: Any,
     *,

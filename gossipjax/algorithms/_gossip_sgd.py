@@ -11,9 +11,11 @@ from gossipjax._validation import check_learning_rate, check_momentum, is_zero
 from gossipjax.algorithms._common import check_state_dtype
 from gossipjax.mixing import Backend, float_leaves_only
 from gossipjax.mixing._mix import mix_named
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 
+@node_hyperparameters("learning_rate", "beta")
 def gossip_sgd(
     topology: Any,
     beta: float = 0.0,
@@ -37,7 +39,8 @@ def gossip_sgd(
     topology: doubly stochastic mixing (``gj.topology.*``, a matrix or a networkx graph).
     beta: momentum coefficient in [0, 1); 0, the default in every gossipjax method, is
       D-PSGD (the DmSGD papers use 0.9).
-    learning_rate: a float or an optax schedule.
+    learning_rate: a float or an optax schedule; or one value per node, an array of shape
+      (n,) (so is ``beta``): each node then steps with its own, as inside `gj.chain`.
     backend: where the nodes live (default: simulate).
     state_dtype: the momentum's dtype (optax's ``accumulator_dtype``), e.g. ``jnp.float32``
       for bfloat16 params; ``None`` keeps the params'. The local step ``x - lr m`` is then

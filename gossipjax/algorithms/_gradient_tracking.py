@@ -13,6 +13,7 @@ from gossipjax._validation import check_learning_rate, check_node_axis
 from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 from gossipjax.mixing._contract import next_count
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 
@@ -31,6 +32,7 @@ class GradientTrackingState(NamedTuple):
   correction: Any  # W(k-1) y^{k-1} - g^{k-1}, so that the tracker is y^k = correction + g^k
 
 
+@node_hyperparameters("learning_rate")
 def gradient_tracking(
     topology: Any,
     *,

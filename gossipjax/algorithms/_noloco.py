@@ -13,6 +13,7 @@ from gossipjax.algorithms._outer_optimizer import _outer_optimizer, check_outer_
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend
 from gossipjax.topology import as_topology
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 def _check_pairing(topology: Any, name: str) -> None:
@@ -37,6 +38,7 @@ def _check_pairing(topology: Any, name: str) -> None:
                        f"use gj.topology.random_pairs({topo.num_nodes})")
 
 
+@node_hyperparameters("outer_learning_rate", "outer_momentum")
 def noloco(
     inner: optax.GradientTransformation,
     topology: Any,

@@ -13,6 +13,7 @@ from gossipjax._validation import check_in_range, check_learning_rate, check_mom
 from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, make_mixer
 from gossipjax.mixing._contract import next_count
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 
@@ -30,6 +31,7 @@ class QGMomentumState(NamedTuple):
   momentum: Any  # the quasi-global momentum m_hat_i
 
 
+@node_hyperparameters("learning_rate", "beta")
 def qg_dmsgd(
     topology: Any,
     beta: float = 0.0,

@@ -14,6 +14,7 @@ from gossipjax.algorithms._common import check_state_dtype, in_state_dtype, star
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, make_mixer
 from gossipjax.mixing._named import node_shape
 from gossipjax.mixing._contract import next_count
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 
@@ -34,6 +35,7 @@ class SGPState(NamedTuple):
   momentum: Any
 
 
+@node_hyperparameters("learning_rate", "beta")
 def sgp(
     topology: Any,
     beta: float = 0.0,

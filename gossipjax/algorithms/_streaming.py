@@ -24,6 +24,7 @@ from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, resolve_backend
 from gossipjax.mixing._contract import next_count
 from gossipjax.mixing._named import node_average, node_index, node_shape
+from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -89,6 +90,7 @@ class _Fragment(NamedTuple):
   joined: jax.Array
 
 
+@node_hyperparameters("mixing", "outer_learning_rate", "outer_momentum")
 def streaming_diloco(
     inner: optax.GradientTransformation,
     *,

@@ -1,0 +1,90 @@
+"""A method's hyperparameter with one value per node, on stacked trees as inside `gj.chain`.
+
+Inside `gj.chain` a hyperparameter injected with ``optax.inject_hyperparams`` is one value per
+node (the mapping's state layout). On stacked trees the same method takes the same form: a
+hyperparameter given as an array of shape (n,), one entry per node, runs the method as
+`gj.nodes` runs it, each node with its own value. So
+``optax.inject_hyperparams(gj.gossip_sgd)(W, learning_rate=rates)`` and the same transform
+inside `gj.chain` take the same ``rates`` and give the same numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gossipjax._axis import mapping
+from gossipjax._mapping import _NodeMap
+from gossipjax.mixing import resolve_backend
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The extra argument that carries each node's hyperparameters into the mapped one-node method.
+_HYPER = "node_hyperparameters"
+
+
+def _per_node(value: Any) -> bool:
+  return not callable(value) and hasattr(value, "shape") and np.ndim(value) == 1
+
+
+class _OneNode:
+  """The method for one node, built from that node's hyperparameters (an extra argument of ``update``)."""
+
+  def __init__(self, factory: Callable[..., Any], arguments: dict[str, Any], first: dict[str, Any]):
+    self.factory, self.arguments, self.first = factory, arguments, first
+
+  def build(self, values: dict[str, Any]) -> Any:
+    return optax.with_extra_args_support(self.factory(**{**self.arguments, **values}))
+
+  def init(self, params: Any) -> Any:
+    return self.build(self.first).init(params)
+
+  def update(self, updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+    values = extra.pop(_HYPER)
+    return self.build(values).update(updates, state, params, **extra)
+
+
+def node_hyperparameters(*names: str) -> Callable[[F], F]:
+  """Lets a method's hyperparameters ``names`` be one value per node on stacked trees.
+
+  The decorated factory is unchanged for scalars and schedules. Given an array of shape
+  (n,) for one of ``names`` outside any mapping, it returns the method mapped over the nodes
+  with `gj.nodes`, each node built with its own entry: the state is the mapping's (as inside
+  `gj.chain`), and an entry count other than the params' node count is refused there.
+  """
+
+  def wrap(factory: F) -> F:
+    signature = inspect.signature(factory)
+    where = f"gj.{factory.__name__}"
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> Any:
+      bound = signature.bind(*args, **kwargs)
+      per_node = {k: jnp.asarray(bound.arguments[k]) for k in names
+                  if k in bound.arguments and _per_node(bound.arguments[k])}
+      if not per_node or mapping() is not None:
+        return factory(*args, **kwargs)
+      rest = {k: v for k, v in bound.arguments.items() if k not in per_node}
+      one = _OneNode(factory, rest, {k: v[0] for k, v in per_node.items()})
+      mapped = _NodeMap(optax.GradientTransformationExtraArgs(one.init, one.update), resolve_backend(rest.get("backend")), (_HYPER,), where)
+
+      def update(updates, state, params=None, **extra_args):
+        leaves = jax.tree.leaves(updates)
+        n = int(jnp.shape(leaves[0])[0]) if leaves and jnp.ndim(leaves[0]) else None
+        for k, v in per_node.items():
+          if v.shape[0] != n:
+            raise ValueError(f"{where}: {k} has {v.shape[0]} values, one per node, but the updates have "
+                             f"{'no node axis' if n is None else f'{n} nodes'}; pass a scalar or one value per node")
+        return mapped.update(updates, state, params, **{_HYPER: per_node}, **extra_args)
+
+      return optax.GradientTransformationExtraArgs(mapped.init, update)
+
+    return build  # type: ignore[return-value]
+
+  return wrap
