@@ -217,7 +217,7 @@ def hierarchical_round(quick: bool) -> dict:
 
 def matching_exchanges(quick: bool) -> dict:
   """Exchanges (ppermutes) per step of ``random_pairs(n)`` on 8 devices, against the busiest device's degree."""
-  from gossipjax.backend._blocks import compile_topology
+  from gossipjax.backend._block_plan import compile_topology
 
   rows = []
   for n in (16, 32) if quick else (16, 32, 64):
@@ -311,7 +311,7 @@ def mlp_tree(n: int) -> dict:
 
 
 def against_period(quick: bool) -> dict:
-  from gossipjax.backend._blocks import compile_topology, step_table
+  from gossipjax.backend._block_plan import compile_topology, step_table
 
   periods, per_device, reps = ((4, 16), (1, 4), 1) if quick else ((4, 16, 64, 256), (1, 2, 4, 16), 3)
   sharded = sharded_backend()

@@ -44,7 +44,7 @@ class Mixer(Protocol):
     """``x_i <- sum_j W(step)[i, j] x_j`` for every node, on every leaf.
 
     ``wire`` (optional) gives each leaf's compact form (a compressor's, see
-    ``gossipjax.backend._blocks.Wire``): a backend whose nodes live apart sends that form
+    ``gossipjax.backend._buckets.Wire``): a backend whose nodes live apart sends that form
     and decodes it on arrival; ``tree`` must then be its decoded value. A backend that
     holds every node may ignore it.
     """

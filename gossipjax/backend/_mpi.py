@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from gossipjax.backend._map import InAxes, vmap_nodes
-from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, Exchange, StepTable, buckets,
-                                       check_bucket_bytes, check_rounds_apart, Wire, check_divisible, compile_topology,
-                                       mix_block_rounds, mix_blocks, step_table_or_none, unpack)
+from gossipjax.backend._block_plan import (BlockPlan, Exchange, StepTable, check_divisible, check_rounds_apart,
+                                           compile_topology, step_table_or_none)
+from gossipjax.backend._blocks import mix_block_rounds, mix_blocks
+from gossipjax.backend._buckets import DEFAULT_BUCKET_BYTES, Wire, buckets, check_bucket_bytes, unpack
 from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._traffic import note_gossip, note_all_to_all, note_gather, note_mean
 from gossipjax.topology import Topology

@@ -24,9 +24,10 @@ from gossipjax.backend import _cpu_threads
 from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
 from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._traffic import note_all_to_all, note_gather, note_gossip, note_mean
-from gossipjax.backend._blocks import (DEFAULT_BUCKET_BYTES, BlockPlan, StepTable, buckets, check_bucket_bytes,
-                                       check_divisible, check_rounds_apart, Wire, compile_topology, mix_block_rounds,
-                                       mix_blocks, step_table_or_none, unpack)
+from gossipjax.backend._block_plan import (BlockPlan, StepTable, check_divisible, check_rounds_apart, compile_topology,
+                                           step_table_or_none)
+from gossipjax.backend._blocks import mix_block_rounds, mix_blocks
+from gossipjax.backend._buckets import DEFAULT_BUCKET_BYTES, Wire, buckets, check_bucket_bytes, unpack
 from gossipjax.topology import Topology
 
 

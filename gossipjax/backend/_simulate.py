@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from gossipjax.backend._base import auto_where_explicit, node_sharding
-from gossipjax.backend._blocks import rounds_alone
+from gossipjax.backend._block_plan import rounds_alone
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import accumulation_dtype, mean_terms
 from gossipjax.backend._traffic import note_gossip, note_all_to_all, note_gather, note_mean

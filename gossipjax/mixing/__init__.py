@@ -6,7 +6,7 @@ position in an ``optax.chain`` is the algorithm. `make_mixer` is how an algorith
 """
 
 from gossipjax.backend._base import Backend, Mixer, follow_placement
-from gossipjax.backend._blocks import Wire
+from gossipjax.backend._buckets import Wire
 from gossipjax.mixing._contract import float_leaves_only, make_mixer, resolve_backend
 from gossipjax.mixing._mix import MixState, mix
 

@@ -19,7 +19,8 @@ from jax.custom_batching import custom_vmap
 
 from gossipjax._axis import Mapping, mapped, mapping
 from gossipjax.backend._base import Mixer
-from gossipjax.backend._blocks import Wire, check_rounds_apart, rounds_alone
+from gossipjax.backend._block_plan import check_rounds_apart, rounds_alone
+from gossipjax.backend._buckets import Wire
 from gossipjax.topology import Topology
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gossipjax import topology as T
-from gossipjax.backend._blocks import compile_plan
+from gossipjax.backend._block_plan import compile_plan
 
 
 def apply_blocks(bp, x):

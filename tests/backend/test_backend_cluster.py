@@ -13,7 +13,8 @@ import pytest
 
 import gossipjax as gj
 from gossipjax import topology as T
-from gossipjax.backend._blocks import _rows_sent, buckets, fixed_slots, step_table, step_table_or_none
+from gossipjax.backend._block_plan import _rows_sent, fixed_slots, step_table, step_table_or_none
+from gossipjax.backend._buckets import buckets
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi"))
 import backend_cases as cases  # noqa: E402

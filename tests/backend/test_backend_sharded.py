@@ -76,7 +76,7 @@ def test_only_neighbour_exchange_in_compiled_program(backend, topo, permutes):
 
 
 def test_a_cyclic_shift_needs_at_most_two_ppermutes_of_only_the_needed_rows():
-  from gossipjax.backend._blocks import compile_plan
+  from gossipjax.backend._block_plan import compile_plan
 
   for h in range(1, 16):
     w = np.eye(16) * 0.5
