@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from gossipjax._axis import mapping
 from gossipjax.backend._base import auto_where_explicit
 from gossipjax.backend._precision import mean_terms
-from gossipjax.mixing._named import node_average
+from gossipjax.mixing._collectives import node_average
 
 
 def _stack(tree: Any, num_nodes: int) -> Any:

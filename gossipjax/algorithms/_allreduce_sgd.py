@@ -10,7 +10,7 @@ from jax.typing import DTypeLike
 from gossipjax._validation import check_learning_rate, check_momentum, is_zero, require_node_axis
 from gossipjax.algorithms._common import check_state_dtype, in_dtypes_of_updates
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
-from gossipjax.mixing._named import node_average
+from gossipjax.mixing._collectives import node_average
 from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 

@@ -15,8 +15,10 @@ from gossipjax._validation import check_in_range, check_learning_rate
 from gossipjax.algorithms._common import check_state_dtype, start_step
 from gossipjax.compress._base import Identity, leaf_keys
 from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
+from gossipjax.mixing._collectives import node_index, node_shape
 from gossipjax.mixing._contract import next_count
-from gossipjax.mixing._named import NodeMixer, node_index, node_shape, on_nodes
+from gossipjax.mixing._node_mixer import NodeMixer
+from gossipjax.mixing._stacked_adapter import on_nodes
 from gossipjax.topology import MixingPlan, Topology
 from gossipjax.topology._plan import plan_from_edges
 from gossipjax._axis import mapping

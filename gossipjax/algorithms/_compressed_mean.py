@@ -20,8 +20,9 @@ from gossipjax._axis import mapping
 from gossipjax.algorithms._participation import Participation, select_nodes
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend, follow_placement
+from gossipjax.mixing._collectives import gathered_nodes, node_all_to_all, node_gather
 from gossipjax.mixing._contract import accumulation_dtype
-from gossipjax.mixing._named import gathered_nodes, node_all_to_all, node_gather, on_nodes
+from gossipjax.mixing._stacked_adapter import on_nodes
 
 MEAN_FORMS = ("reduce_scatter", "all_gather")
 

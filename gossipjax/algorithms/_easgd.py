@@ -13,7 +13,7 @@ from jax.typing import DTypeLike
 from gossipjax._validation import check_in_range, check_learning_rate, check_period, require_node_axis, require_params
 from gossipjax.algorithms._common import check_state_dtype, copy_of, in_state_dtype, is_abstract, learning_rate_at
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
-from gossipjax.mixing._named import node_average
+from gossipjax.mixing._collectives import node_average
 from gossipjax.mixing._contract import next_count
 from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 

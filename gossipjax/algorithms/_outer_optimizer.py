@@ -28,8 +28,8 @@ from gossipjax.algorithms._compressed_mean import (check_compressor, check_mean_
 from gossipjax.algorithms._participation import live_nodes, node_mask, participants, select_nodes
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend, Wire, float_leaves_only, follow_placement, make_mixer, resolve_backend
+from gossipjax.mixing._collectives import node_average, node_index, node_shape
 from gossipjax.mixing._contract import next_count
-from gossipjax.mixing._named import node_average, node_index, node_shape
 
 
 class OuterState(NamedTuple):

@@ -19,7 +19,7 @@ from jax import lax
 from gossipjax._axis import mapping
 from gossipjax._guard import SkipNodes
 from gossipjax.mixing import Backend
-from gossipjax.mixing._named import node_average, node_fractions, node_shape
+from gossipjax.mixing._collectives import node_average, node_fractions, node_shape
 
 
 def node_mask(up: Any, params: Any, name: str) -> jax.Array:

@@ -11,7 +11,7 @@ from jax import lax
 
 from gossipjax._validation import check_period, require_node_axis, require_params
 from gossipjax.mixing import Backend, float_leaves_only, resolve_backend
-from gossipjax.mixing._named import node_average
+from gossipjax.mixing._collectives import node_average
 from gossipjax.mixing._contract import next_count
 
 

@@ -12,7 +12,7 @@ from jax.typing import DTypeLike
 from gossipjax._validation import check_learning_rate, check_momentum
 from gossipjax.algorithms._common import check_state_dtype, in_state_dtype, start_step
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, make_mixer
-from gossipjax.mixing._named import node_shape
+from gossipjax.mixing._collectives import node_shape
 from gossipjax.mixing._contract import next_count
 from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 

@@ -22,8 +22,8 @@ from gossipjax.algorithms._outer_optimizer import check_outer_rates, check_trans
 from gossipjax.algorithms._participation import Participation, live_nodes, node_mask, participants, select_nodes
 from gossipjax.compress import Compressor
 from gossipjax.mixing import Backend, float_leaves_only, follow_placement, resolve_backend
+from gossipjax.mixing._collectives import node_average, node_index, node_shape
 from gossipjax.mixing._contract import next_count
-from gossipjax.mixing._named import node_average, node_index, node_shape
 from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 

@@ -30,7 +30,7 @@ import optax
 
 from gossipjax.backend._table import mix_from_table, plan_table
 from gossipjax.mixing import float_leaves_only
-from gossipjax.mixing._named import stacked_transform
+from gossipjax.mixing._stacked_adapter import stacked_transform
 
 
 class Faults(NamedTuple):

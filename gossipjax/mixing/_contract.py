@@ -17,7 +17,7 @@ from gossipjax.backend import Backend, simulate
 from gossipjax.backend._base import current
 from gossipjax._axis import mapping
 from gossipjax.backend._precision import accumulation_dtype as accumulation_dtype  # the algorithms sum through here
-from gossipjax.mixing._named import NodeMixer
+from gossipjax.mixing._node_mixer import NodeMixer
 from gossipjax.topology import as_topology
 from gossipjax.topology._topology import Stochasticity
 

@@ -9,7 +9,7 @@ import pytest
 import gossipjax as gj
 from gossipjax import topology as T
 from gossipjax.mixing import make_mixer
-from gossipjax.mixing._named import NodeMixer
+from gossipjax.mixing._node_mixer import NodeMixer
 
 AUTO = jax.sharding.AxisType.Auto
 

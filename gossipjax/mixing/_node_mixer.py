@@ -1,0 +1,111 @@
+"""The node mixer: a backend's stacked mixer that is also a gossip round over the named node axis.
+
+Inside `gj.nodes` a transform sees one node, and its gossip round is a collective over the
+axis ``"nodes"``: a ``jax.custom_batching.custom_vmap`` whose batching rule hands the
+node-stacked tree to the backend's stacked mixer. On stacked trees the mixer is called
+directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+
+from gossipjax._axis import mapped, mapping
+from gossipjax.backend._base import Mixer
+from gossipjax.backend._block_plan import check_rounds_apart, rounds_alone
+from gossipjax.backend._buckets import Wire
+from gossipjax.mixing._collectives import _shared, _stacked, _witness, check_same_backend
+from gossipjax.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NodeMixer:
+  """A backend's mixer that also runs inside `gj.nodes`, where it is a collective over ``"nodes"``.
+
+  On stacked trees ``mix`` is the backend's mixer as it is. For one node (inside a mapping)
+  ``mix(tree, step)`` returns ``sum_j W(step)[i, j] x_j`` for this node i: a
+  ``custom_vmap`` whose batching rule hands the node-stacked tree to the same mixer.
+
+  Attributes:
+    stacked: the backend's `Mixer`.
+    backend: the backend it was built for.
+    name: the public name of the transform that built it, for errors.
+  """
+
+  stacked: Mixer
+  backend: Any
+  name: str
+
+  @property
+  def topology(self) -> Topology:
+    return self.stacked.topology
+
+  @property
+  def local_nodes(self) -> int:
+    return self.stacked.local_nodes
+
+  def first_node(self) -> jax.Array | int:
+    return self.stacked.first_node()
+
+  def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
+    return self._collective(tree, step, wire, self.stacked.mix, lambda tree: tree)
+
+  def mix_rounds(self, tree: Any, wire: Wire | None = None) -> tuple[Any, ...]:
+    """Each round of a static W apart: ``(W_1 x, ..., W_c x)`` with ``W = diag(self weight) + sum_r W_r``.
+
+    Round r of the topology's plan gives node i the term ``W[i, src_r(i)] x_{src_r(i)}`` (zero
+    where it has no edge in that round). The backends that hold nodes apart send every round's
+    rows in one set of exchanges, at most one message per pair of devices and bucket, where
+    mixing the rounds one by one sends one per round. A backend's mixer without ``mix_rounds``
+    mixes each round alone. A static W without rank-one terms only.
+    """
+    check_rounds_apart(self.topology)
+    rounds = len(self.topology.plans()[0].rounds)
+    return self._collective(tree, 0, wire, lambda t, step, w: self._rounds_stacked(t, w),
+                            lambda tree: (tree,) * rounds)
+
+  def _rounds_stacked(self, tree: Any, wire: Wire | None) -> tuple[Any, ...]:
+    fn = getattr(self.stacked, "mix_rounds", None)
+    if fn is not None:
+      return fn(tree, wire)
+    return tuple(self.backend.mixer(Topology.from_plans(p, name=f"round {c} of {self.topology.name}")).mix(tree, 0, wire)
+                 for c, p in enumerate(rounds_alone(self.topology)))
+
+  def _collective(self, tree: Any, step: jax.Array | int, wire: Wire | None,
+                  call: Callable[[Any, Any, Wire | None], Any], shapes: Callable[[Any], Any]) -> Any:
+    """``call(tree, step, wire)`` on stacked trees; inside a mapping, a collective whose rule stacks the nodes' trees."""
+    current = mapping()
+    if current is None:
+      return call(tree, step, wire)
+    check_same_backend(current, self.backend, self.name)
+    stacked = self.stacked
+    parts = None if wire is None else wire.parts
+    context = None if wire is None else wire.context
+
+    @custom_vmap
+    def gossip(tree, step, parts, context, witness):
+      del step, parts, context, witness
+      return shapes(tree)  # the shape only: under the mapping the rule below runs instead
+
+    @gossip.def_vmap
+    def rule(axis_size, in_batched, tree, step, parts, context, witness):
+      del witness
+      b_tree, b_step, b_parts, b_context, _ = in_batched
+      tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, b_tree)
+      # A static W needs no step: it is not read, so a stacked count costs no reduction.
+      step = 0 if not stacked.topology.is_time_varying and wire is None else _shared(step, b_step)
+      with mapped(None):
+        if wire is None:
+          out = call(tree, step, None)
+        else:
+          parts = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), parts, b_parts)
+          context = jax.tree.map(_shared, context, b_context)
+          out = call(tree, step, Wire(parts, wire.decode, context))
+      return out, jax.tree.map(lambda _: True, out)
+
+    return gossip(tree, jnp.asarray(step), parts, context, _witness())
