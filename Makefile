@@ -36,12 +36,15 @@ demo: $(VENV)/.installed-train
 
 # Lint and types first (seconds), then the tests on PYTEST_WORKERS processes (pytest-xdist): most of a JAX
 # test is single-threaded compiling, so 2 workers keep 2 cores busy. A module's tests stay on one worker (its
-# fixtures are built once); an MPI launch runs alone (see conftest.py). PYTEST_WORKERS=0 runs in one process.
+# fixtures are built once), the longest modules first (conftest.py). The MPI launches come after, in one
+# process: their ranks busy-wait for each other and need the cores to themselves. PYTEST_WORKERS=0 runs the
+# first part in one process too.
 PYTEST_WORKERS ?= 2
 test: install-mpi
 	$(BIN)/ruff check .
 	$(BIN)/basedpyright --project pyproject.toml
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "not mpi"
+	$(BIN)/python -m pytest -q -m mpi tests
 
 # The documentation site (docs/_build/html/index.html): every guide and notebook is executed,
 # and a warning fails the build (tests/test_docs.py runs the same build).
