@@ -31,6 +31,9 @@ class MixState(NamedTuple):
   count: jax.Array  # steps taken; selects W(k) for time-varying topologies
 
   zeroes_skipped_nodes = True  # tells gj.guard_finite that mix zeroes its skipped nodes' local updates
+  # Sends the params' entry in place of a non-finite entry of x + u: a per-node gate around it
+  # (optax.apply_if_finite inside gj.chain) keeps a skipped node's NaN from its neighbours.
+  guards_what_it_sends = True
 
 
 def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
