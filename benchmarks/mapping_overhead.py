@@ -4,7 +4,8 @@ Decentralized Adam written two ways over the same node-stacked params of 40 leav
 stacked trees with optax's own ``optax.chain(optax.adam(lr), gj.mix(W))`` (Adam is
 elementwise, so the two are the same update), and for one node mapped over the nodes with
 ``gj.chain(optax.adam(lr), gj.mix(W))``. Timed, interleaved: ``jax.jit(update).lower`` from a
-fresh jit (tracing and lowering), and an eager ``update`` call (``gj.chain`` compiles one
+fresh transform and jit (tracing and lowering; the transform's ``init`` has run, untimed, as
+it must before a step), and an eager ``update`` call (``gj.chain`` compiles one
 program per layout and reuses it; optax's chain runs op by op).
 """
 
@@ -41,8 +42,9 @@ def run(quick: bool = False) -> dict:
   for _ in range(reps):
     for k, make in forms.items():
       tx = make()
+      state = tx.init(params)  # untimed: a step needs the state first, for either form
       t0 = time.perf_counter()
-      jax.jit(tx.update).lower(grads, states[k], params)
+      jax.jit(tx.update).lower(grads, state, params)
       lower[k].append(time.perf_counter() - t0)
       t0 = time.perf_counter()
       jax.block_until_ready(built[k].update(grads, states[k], params))

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 from jax.custom_batching import custom_vmap
 
@@ -124,6 +125,48 @@ def shared_leaves(tree: Any) -> list[bool]:
       sub = getattr(x, field)
       flags.extend([True] * len(jax.tree.leaves(sub)) if field in type(x).shared_over_nodes else shared_leaves(sub))
   return flags
+
+
+def _declared(x: Any) -> bool:
+  return isinstance(x, tuple) and hasattr(type(x), "shared_over_nodes")
+
+
+def unguarded_under_gate(state: Any) -> list[str]:
+  """The gossipjax states under an ``optax.apply_if_finite`` whose exchanges would pass a skipped node's NaN on.
+
+  A per-node gate skips a node's step, but the collective inside it still runs for every node
+  (a collective has no per-node branch), so the node sends what its NaN step produced. A
+  gossipjax state class that declares ``guards_what_it_sends`` (`gj.mix`'s) sends the params'
+  entry instead; under `gj.guard_finite` the inner method never sees the NaN. The others are
+  returned by class name.
+  """
+  found: list[str] = []
+
+  def inner(x: Any) -> None:  # inside a gate: the exchanging states that do not guard what they send
+    if type(x).__name__ == "GuardFiniteState" and _declared(x):
+      return
+    if _declared(x) and not getattr(type(x), "guards_what_it_sends", False):
+      found.append(type(x).__name__)
+      return
+    if isinstance(x, tuple):
+      for sub in x:
+        inner(sub)
+    elif isinstance(x, dict):
+      for sub in x.values():
+        inner(sub)
+
+  def outer(x: Any) -> None:
+    if isinstance(x, optax.ApplyIfFiniteState):
+      inner(x.inner_state)
+    elif isinstance(x, tuple):
+      for sub in x:
+        outer(sub)
+    elif isinstance(x, dict):
+      for sub in x.values():
+        outer(sub)
+
+  outer(state)
+  return found
 
 
 def own_leaves(tree: Any) -> list[bool]:

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from gossipjax._axis import NodeAxis, mapped, mapping, settle_shared, shared_leaves
+from gossipjax._axis import NodeAxis, mapped, mapping, settle_shared, shared_leaves, unguarded_under_gate
 from gossipjax.backend._base import mesh_of_explicit
 from gossipjax.backend._sharded import conform, leaf_spec
 from gossipjax.mixing import follow_placement, resolve_backend
@@ -142,6 +142,11 @@ class _NodeMap:
     found = self._layouts.get(key)
     if found is None:
       stacked = jax.eval_shape(self._mapped(self.inner.init, 0, 0), params)
+      unguarded = unguarded_under_gate(stacked)
+      if unguarded and not self.axis.local:
+        raise ValueError(f"{self.where}: optax.apply_if_finite around a gossipjax method whose exchange would pass "
+                         f"a skipped node's NaN to its neighbours ({', '.join(sorted(set(unguarded)))}); put the "
+                         "method under gj.guard_finite instead, which skips a node's step for every method")
       leaves, treedef = jax.tree.flatten(stacked)
       found = self._layouts[key] = _Layout(treedef, tuple(shared_leaves(stacked)),
                                            tuple(tuple(x.shape[1:]) for x in leaves))
@@ -276,8 +281,9 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
     node (a collective has no per-node branch), on the schedule of the shared step count.
     `gj.mix`, and the methods built on it (`gj.gossip_sgd`, ``gj.chain(adam, gj.mix(W))``),
     send the params' entry in place of a non-finite entry of ``x + u``, so a gated node's NaN
-    never reaches its neighbours; the other methods' exchanges have no such guard: put them
-    under `gj.guard_finite`, which skips a node's step for every method.
+    never reaches its neighbours. ``optax.apply_if_finite`` around any other gossipjax method
+    (whose exchange would pass the NaN on) is refused at ``init`` in one line that points to
+    `gj.guard_finite`, which skips a node's step for every method.
 
   Args:
     tx: an optax transform written for one node's params.
@@ -292,8 +298,10 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
 
   Raises:
     ValueError: a leaf lacks the node axis, a state was not made by this transform's
-      ``init``, a per-node extra argument lacks the node axis, or a transform inside was
-      built for another backend.
+      ``init``, a per-node extra argument lacks the node axis, a transform inside was
+      built for another backend, ``optax.apply_if_finite`` wraps a method whose exchange
+      would pass a skipped node's NaN on, or a raw collective names an axis that is not
+      bound (``lax.pmean(x, "nodes")``: use `gj.node_mean`).
 
   Example:
     >>> import jax.numpy as jnp, optax, gossipjax as gj

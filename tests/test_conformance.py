@@ -46,8 +46,8 @@ def _hierarchical() -> cc.Harness:
 
 def _pmapped(devices: int = 4) -> cc.Harness:
   # (n, ...) -> (devices, n / devices, ...): device d holds nodes d*B ... d*B + B - 1, placed as the pmap returns them
-  on_devices = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:devices], ("nodes",)),
-                                          jax.sharding.PartitionSpec("nodes"))
+  on_devices = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:devices], ("devices",)),
+                                          jax.sharding.PartitionSpec("devices"))
 
   def blocks(tree):
     return jax.tree.map(lambda v: jax.device_put(np.asarray(v).reshape((devices, -1) + np.shape(v)[1:]), on_devices),

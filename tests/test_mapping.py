@@ -346,3 +346,23 @@ def test_a_learning_rate_per_node_on_stacked_trees_is_each_nodes_own():
   tx = gj.gossip_sgd(W, learning_rate=rates)
   u, _ = tx.update(g, tx.init(x), x)
   np.testing.assert_allclose(x + u, WM @ (x - rates[:, None] * g), rtol=0, atol=1e-12)
+
+
+def test_a_per_node_gate_around_an_exchange_that_would_pass_a_nan_on_is_refused():
+  """optax.apply_if_finite inside gj.chain: gj.mix keeps a skipped node's NaN home; every other method is refused.
+
+  Without the refusal a NaN on node 1 reached node 0 and node 2 for each of these methods.
+  """
+  x = {"w": jnp.ones((N, 2, 3)), "b": jnp.ones((N, 3))}
+  for name, (factory, _, kwargs) in _METHODS.items():
+    gated = gj.chain(optax.apply_if_finite(factory(**kwargs), 3))
+    if name == "gossip_sgd":
+      gated.init(x)
+      continue
+    with pytest.raises(ValueError, match=r"gj\.chain: optax\.apply_if_finite around a gossipjax method whose exchange "
+                                         r"would pass a skipped node's NaN to its neighbours \(\w+State\); put the "
+                                         r"method under gj\.guard_finite instead"):
+      gated.init(x)
+    # Under gj.guard_finite the node's step is skipped for every method: accepted, also under the gate.
+    gj.chain(optax.apply_if_finite(gj.guard_finite(factory(**kwargs)), 3)).init(x)
+  gj.chain(optax.apply_if_finite(optax.chain(optax.adam(0.1), gj.mix(W)), 3)).init(x)

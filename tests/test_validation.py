@@ -26,7 +26,8 @@ CORE = {
     ("0.1", TypeError, "learning_rate must be a float or an optax schedule"),
     (None, TypeError, "learning_rate must be a float or an optax schedule"),
     (True, TypeError, "learning_rate must be a float"),
-    (jnp.ones(8), TypeError, r"learning_rate must be a scalar number, got float64 of shape \(8,\)"),
+    # One value per node, shape (n,), is a per-node rate; any other array is refused.
+    (jnp.ones((8, 1)), TypeError, r"learning_rate must be a scalar number, got float64 of shape \(8, 1\)"),
 ])
 def test_bad_learning_rates_raise(name, lr, error, match):
   with pytest.raises(error, match=match) as e:

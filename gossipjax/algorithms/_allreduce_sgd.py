@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import optax
 from jax.typing import DTypeLike
@@ -15,6 +15,12 @@ from gossipjax.algorithms._node_hyperparams import node_hyperparameters
 
 
 
+class AllReduceState(NamedTuple):
+  """State of the all-reduce mean: none; the class says that it exchanges (see ``gj.chain``'s per-node gates)."""
+
+  shared_over_nodes = ()  # nothing held per node or shared: a gossipjax transform that communicates
+
+
 def all_reduce(backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
   """Replaces every node's update by the average over all nodes (an all-reduce)."""
   backend = resolve_backend(backend)
@@ -23,7 +29,7 @@ def all_reduce(backend: Backend | None = None) -> optax.GradientTransformationEx
     del params, extra_args
     return node_average(backend, updates, "gj.allreduce_sgd"), state
 
-  return float_leaves_only(optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn),
+  return float_leaves_only(optax.GradientTransformationExtraArgs(lambda params: AllReduceState(), update_fn),
                            keep_other_updates=True)
 
 

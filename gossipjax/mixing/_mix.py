@@ -31,6 +31,18 @@ class MixState(NamedTuple):
   count: jax.Array  # steps taken; selects W(k) for time-varying topologies
 
   zeroes_skipped_nodes = True  # tells gj.guard_finite that mix zeroes its skipped nodes' local updates
+  # Sends the params' entry in place of a non-finite entry of x + u: a per-node gate around it
+  # (optax.apply_if_finite inside gj.chain) keeps a skipped node's NaN from its neighbours.
+  guards_what_it_sends = True
+
+
+def _as(x: jax.Array, dtype: Any) -> jax.Array:
+  return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _add(x: jax.Array, u: jax.Array) -> jax.Array:
+  """``x + u`` with JAX's promotion; one primitive to trace where the dtypes agree (the common case)."""
+  return lax.add(x, u) if x.dtype == u.dtype and jnp.shape(x) == jnp.shape(u) else x + u
 
 
 def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
@@ -99,16 +111,18 @@ def mix_named(name: str, topology: Any, every: int = 1,
     require_params(params, name)
     check_node_axis(params, mixer.local_nodes, name, mixer.topology.name)
     updates = zero_skipped(updates, skip_nodes)
-    x_half = jax.tree.map(lambda x, u: x + u, params, updates)
+    x_half = jax.tree.map(_add, params, updates)
 
     def gossip(x_half):
       # A non-finite entry of x + u is sent as x's and kept in the node's own step, so a NaN never
       # reaches a neighbour (and a per-node gate such as apply_if_finite still sees it). Entry by
       # entry: no reduction over a node that spans devices.
-      sent = jax.tree.map(lambda x, h: jnp.where(jnp.isfinite(h), h, x.astype(h.dtype)), params, x_half)
+      # (lax's primitives, not jnp's jitted wrappers: one op each to trace per leaf, under vmap too.)
+      finite = jax.tree.map(lax.is_finite, x_half)
+      sent = jax.tree.map(lambda x, h, f: lax.select(f, h, _as(x, h.dtype)), params, x_half, finite)
       mixed = mixer.mix(sent, state.count // period)
-      return jax.tree.map(lambda m, x, h: jnp.where(jnp.isfinite(h), m.astype(x.dtype) - x, h.astype(x.dtype) - x),
-                          mixed, params, x_half)
+      return jax.tree.map(lambda m, x, h, f: lax.sub(lax.select(f, _as(m, x.dtype), _as(h, x.dtype)), x),
+                          mixed, params, x_half, finite)
 
     if isinstance(period, int) and period == 1:
       new_updates = gossip(x_half)
