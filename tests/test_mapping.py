@@ -328,9 +328,8 @@ def test_a_hyperparameter_per_node_is_one_contract_stacked_and_inside_gj_chain(n
   state = optax.tree_utils.tree_set(chained.init(x), **{hp: values})
   want = run(chained, state, jit=False)
   bare = injected(**{hp: values})
-  for jit in (False, True):
-    got = run(bare, bare.init(x), jit)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12), got, want)
+  got = run(bare, bare.init(x), jit=True)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12), got, want)
   # The values are each node's own: all of them at the first node's value differs.
   same = run(chained, optax.tree_utils.tree_set(chained.init(x), **{hp: jnp.full(N, values[0])}), jit=False)
   assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(want))) > 1e-6
