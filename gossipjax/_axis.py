@@ -136,37 +136,15 @@ def unguarded_under_gate(state: Any) -> list[str]:
 
   A per-node gate skips a node's step, but the collective inside it still runs for every node
   (a collective has no per-node branch), so the node sends what its NaN step produced. A
-  gossipjax state class that declares ``guards_what_it_sends`` (`gj.mix`'s) sends the params'
-  entry instead; under `gj.guard_finite` the inner method never sees the NaN. The others are
+  gossipjax state class that declares ``guards_what_it_sends`` (`gj.mix`'s, and
+  `gj.guard_finite`'s around any method) keeps the NaN home; the outermost other ones are
   returned by class name.
   """
-  found: list[str] = []
-
-  def inner(x: Any) -> None:  # inside a gate: the exchanging states that do not guard what they send
-    if type(x).__name__ == "GuardFiniteState" and _declared(x):
-      return
-    if _declared(x) and not getattr(type(x), "guards_what_it_sends", False):
-      found.append(type(x).__name__)
-      return
-    if isinstance(x, tuple):
-      for sub in x:
-        inner(sub)
-    elif isinstance(x, dict):
-      for sub in x.values():
-        inner(sub)
-
-  def outer(x: Any) -> None:
-    if isinstance(x, optax.ApplyIfFiniteState):
-      inner(x.inner_state)
-    elif isinstance(x, tuple):
-      for sub in x:
-        outer(sub)
-    elif isinstance(x, dict):
-      for sub in x.values():
-        outer(sub)
-
-  outer(state)
-  return found
+  is_gate = lambda x: isinstance(x, optax.ApplyIfFiniteState)
+  return [type(s).__name__
+          for gate in jax.tree.leaves(state, is_leaf=is_gate) if is_gate(gate)
+          for s in jax.tree.leaves(gate.inner_state, is_leaf=_declared)
+          if _declared(s) and not getattr(type(s), "guards_what_it_sends", False)]
 
 
 def own_leaves(tree: Any) -> list[bool]:

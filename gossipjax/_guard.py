@@ -24,6 +24,9 @@ class GuardFiniteState(NamedTuple):
   """
 
   shared_over_nodes = ("max_consecutive",)  # the streak limit, the same for every node
+  # A node's non-finite step is skipped before the method inside exchanges: a per-node gate
+  # (optax.apply_if_finite inside gj.chain) around it passes no NaN on.
+  guards_what_it_sends = True
 
   inner_state: Any
   nonfinite_count: jax.Array

@@ -268,7 +268,8 @@ def test_the_collective_over_all_nodes_is_gj_node_mean_and_a_raw_one_is_refused_
   """
   x = jnp.asarray(np.random.default_rng(3).normal(size=(8, 3)))
   mesh = jax.make_mesh((8,), ("nodes",), axis_types=(jax.sharding.AxisType.Explicit,))
-  for backend in (gj.backend.simulate(), gj.backend.sharded(mesh)):
+  for backend in (gj.backend.simulate(), gj.backend.sharded(mesh), gj.backend.hierarchical(2)):
+    x = backend.shard(x) if hasattr(backend, "shard") else x
     tx = gj.chain(_to_the_mean(gj.node_mean), backend=backend)
     for call in (lambda v: v + tx.update(v, tx.init(v), v)[0], jax.jit(lambda v: v + tx.update(v, tx.init(v), v)[0])):
       np.testing.assert_allclose(call(x), np.broadcast_to(x.mean(axis=0), x.shape), rtol=0, atol=1e-14)
@@ -345,6 +346,18 @@ def test_a_learning_rate_per_node_on_stacked_trees_is_each_nodes_own():
   tx = gj.gossip_sgd(W, learning_rate=rates)
   u, _ = tx.update(g, tx.init(x), x)
   np.testing.assert_allclose(x + u, WM @ (x - rates[:, None] * g), rtol=0, atol=1e-12)
+  # Injected, the method is rebuilt at every update; eager steps still compile once.
+  tx = optax.inject_hyperparams(gj.gossip_sgd)(W, learning_rate=rates)
+  state, compiles = tx.init(x), []
+  listener = lambda event, _secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+  u, state = tx.update(g, state, x)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    for _ in range(3):
+      u, state = tx.update(g, state, x)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert not compiles, compiles
 
 
 def test_a_per_node_gate_around_an_exchange_that_would_pass_a_nan_on_is_refused():

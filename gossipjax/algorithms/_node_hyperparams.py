@@ -10,6 +10,7 @@ inside `gj.chain` take the same ``rates`` and give the same numbers.
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 from typing import Any, Callable, TypeVar
@@ -50,6 +51,28 @@ class _OneNode:
     return self.build(values).update(updates, state, params, **extra)
 
 
+# The mappings built lately: ``optax.inject_hyperparams`` rebuilds the method at every update with
+# the same other arguments, and the mapping found here keeps its compiled programs (an eager step
+# compiles once, not at every call).
+_BUILT: collections.OrderedDict[Any, tuple[dict[str, Any], _NodeMap]] = collections.OrderedDict()
+_KEEP = 16
+
+
+def _mapped(factory: Callable[..., Any], rest: dict[str, Any], per_node: dict[str, Any], where: str) -> _NodeMap:
+  key = (factory, tuple(sorted(per_node)), tuple((k, id(v)) for k, v in rest.items()))
+  found = _BUILT.get(key)
+  if found is not None and all(found[0][k] is v for k, v in rest.items()):  # the same objects, held alive
+    _BUILT.move_to_end(key)
+    return found[1]
+  one = _OneNode(factory, rest, {k: v[0] for k, v in per_node.items()})
+  mapped = _NodeMap(optax.GradientTransformationExtraArgs(one.init, one.update), resolve_backend(rest.get("backend")),
+                    (_HYPER,), where)
+  _BUILT[key] = (rest, mapped)
+  while len(_BUILT) > _KEEP:
+    _BUILT.popitem(last=False)
+  return mapped
+
+
 def node_hyperparameters(*names: str) -> Callable[[F], F]:
   """Lets a method's hyperparameters ``names`` be one value per node on stacked trees.
 
@@ -71,8 +94,7 @@ def node_hyperparameters(*names: str) -> Callable[[F], F]:
       if not per_node or mapping() is not None:
         return factory(*args, **kwargs)
       rest = {k: v for k, v in bound.arguments.items() if k not in per_node}
-      one = _OneNode(factory, rest, {k: v[0] for k, v in per_node.items()})
-      mapped = _NodeMap(optax.GradientTransformationExtraArgs(one.init, one.update), resolve_backend(rest.get("backend")), (_HYPER,), where)
+      mapped = _mapped(factory, rest, per_node, where)
 
       def update(updates, state, params=None, **extra_args):
         leaves = jax.tree.leaves(updates)
