@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -137,11 +138,15 @@ def _num_nodes(tree: Any, what: str) -> int | None:
 
 def _bad_nodes(tree: Any, n: int | None) -> jax.Array:
   """Per node, whether any floating-point leaf of ``tree`` holds a NaN or inf (other leaves are finite)."""
-  bad = jnp.zeros(() if n is None else (n,), bool)
-  for x in jax.tree.leaves(tree):
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-      bad = bad | ~(jnp.isfinite(x).all() if n is None else jnp.isfinite(x).reshape(n, -1).all(axis=1))
-  return bad
+  counts = [(~jnp.isfinite(x)).sum(dtype=jnp.float32) if n is None
+            else (~jnp.isfinite(x)).reshape(n, -1).sum(axis=1, dtype=jnp.float32)
+            for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not counts:
+    return jnp.zeros(() if n is None else (n,), bool)
+  # XLA copies a chain of cheap element-wise ops into the fusion of every consumer (here each leaf's select):
+  # an ``|`` over 130 leaves, copied into 130 selects, made a ResNet-20 step compile 4x as long. A square root
+  # is an op XLA does not copy, so the sum over the leaves is computed once.
+  return jnp.sqrt(functools.reduce(jnp.add, counts)) > 0
 
 
 def _keep_old_for_bad(new: Any, old: Any, bad: jax.Array, n: int | None) -> Any:

@@ -93,6 +93,21 @@ def test_nan_in_one_leaf_of_a_tree_skips_the_whole_node():
   assert gj.nonfinite_counts(state).tolist() == [0, 0, 0, 0, 0, 0, 1, 0]
 
 
+def test_the_guarded_step_grows_linearly_with_the_number_of_leaves():
+  """The per-node flag is computed once, not copied into every leaf's select: a ResNet-20 (130 leaves) step
+  compiled 4x as long with the copies. Compiled ops per leaf stay flat from 16 to 64 leaves (they grew 3x)."""
+  import re
+
+  def compiled_ops(leaves):
+    params = {f"w{i}": jnp.ones((4, 3)) for i in range(leaves)}
+    tx = gj.guard_finite(gj.gossip_sgd(gj.topology.ring(4), learning_rate=0.1))
+    text = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+    return len(re.findall(r"^\s+\S+ = ", text, re.M))
+
+  small, large = compiled_ops(16), compiled_ops(64)
+  assert large < 5 * small, (small, large)  # 4x the leaves: 4x the ops (12x when the flag was copied)
+
+
 def test_check_guard_raises_after_consecutive_bad_steps_naming_node_and_step():
   tx = gj.guard_finite(gj.gossip_sgd(gj.topology.ring(N), beta=0.9, learning_rate=0.1), max_consecutive=3)
   x = jnp.zeros((N, D))

@@ -1,7 +1,10 @@
 """``gossipjax train --backend sharded|mpi`` reports the simulation's numbers (float32, to 1e-5)."""
 
+import hashlib
 import json
 import shutil
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 from _launch import BIN
@@ -20,12 +23,33 @@ def _launch(cmd, timeout):
   return res.stdout
 
 
+def _code_key() -> str:
+  """A digest of what the simulated job's numbers depend on: its arguments, the package's code, the libraries."""
+  digest = hashlib.sha256(json.dumps(ARGS).encode())
+  package = Path(__file__).resolve().parents[2] / "gossipjax"
+  for path in sorted(package.rglob("*.py")):
+    digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
+  for dist in ("jax", "jaxlib", "flax", "optax", "numpy"):
+    digest.update(f"{dist}=={metadata.version(dist)}".encode())
+  return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="module")
-def simulated(tmp_path_factory):
-  """The simulation's metrics, from a process of its own as the others (the tests' process runs in float64)."""
+def simulated(tmp_path_factory, request):
+  """The simulation's metrics, from a process of its own as the others (the tests' process runs in float64).
+
+  ``make test`` runs the MPI test in a second pytest session: the first session's simulated job, kept in pytest's
+  cache under a digest of the code and the arguments, serves both, and any change to either runs it again.
+  """
+  cache, key = getattr(request.config, "cache", None), f"gossipjax/cli_backends/simulated/{_code_key()}"
+  if cache is not None and (kept := cache.get(key, None)) is not None:
+    return kept
   out = tmp_path_factory.mktemp("simulate")
   _launch([BIN / "gossipjax"] + ARGS + ["--out", str(out)], 300)
-  return json.loads((out / "metrics.json").read_text())
+  metrics = json.loads((out / "metrics.json").read_text())
+  if cache is not None:
+    cache.set(key, metrics)
+  return metrics
 
 
 def _assert_same_metrics(got, want):
