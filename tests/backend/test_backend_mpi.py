@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _launch import environment
 
 import gossipjax as gj
 
@@ -21,8 +22,7 @@ def launch(script: Path, ranks: int, timeout: float = 240, extra_env: dict | Non
   bin_dir = Path(sys.executable).parent
   mpiexec = bin_dir / "mpiexec"
   assert mpiexec.exists(), f"no mpiexec next to {sys.executable}: install the MPI stack with `make install-mpi`"
-  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", XLA_FLAGS="", JAX_PLATFORMS="cpu",
-             **(extra_env or {}))
+  env = environment(**(extra_env or {}))
   proc = subprocess.Popen(
       [str(mpiexec), "-n", str(ranks), sys.executable, str(script)],
       cwd=script.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
