@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Hashable
 from typing import Any, Callable
 
 import jax
@@ -219,6 +220,23 @@ def init_state(cfg: RunConfig, dataset: Dataset, model: Any, tx: optax.GradientT
   return TrainState(0, params, tx.init(params))
 
 
+def _evaluate_fn(model: Any, params: Any, node_losses: jax.Array, x_test: jax.Array, y_test: jax.Array) -> dict:
+  mean = node_mean(params)
+  node_acc = jax.vmap(lambda p: accuracy(model.apply, p, x_test, y_test))(params)
+  return {
+      "train_loss": jnp.mean(node_losses),
+      "consensus_distance": consensus_distance(params),
+      "test_loss": cross_entropy(model.apply, mean, x_test, y_test),
+      "test_accuracy": accuracy(model.apply, mean, x_test, y_test),
+      "node_accuracy_mean": jnp.mean(node_acc),
+      "node_accuracy_min": jnp.min(node_acc),
+  }
+
+
+# One program per model and shapes, which the runs of a job share (a closure per run compiled it for each run).
+_evaluate = jax.jit(_evaluate_fn, static_argnums=0)
+
+
 def run(
     cfg: RunConfig,
     dataset: Dataset,
@@ -305,18 +323,10 @@ def run(
     (params, opt_state), losses = lax.scan(one_step, (params, opt_state), start + jnp.arange(length))
     return params, opt_state, jnp.mean(losses, axis=0)  # each node's mean training loss over the chunk
 
-  @jax.jit
-  def evaluate(params, node_losses):
-    mean = node_mean(params)
-    node_acc = jax.vmap(lambda p: accuracy(model.apply, p, x_test, y_test))(params)
-    return {
-        "train_loss": jnp.mean(node_losses),
-        "consensus_distance": consensus_distance(params),
-        "test_loss": cross_entropy(model.apply, mean, x_test, y_test),
-        "test_accuracy": accuracy(model.apply, mean, x_test, y_test),
-        "node_accuracy_mean": jnp.mean(node_acc),
-        "node_accuracy_min": jnp.min(node_acc),
-    }
+  if isinstance(model, Hashable):  # flax modules are: equal modules share the compiled evaluation
+    evaluate = functools.partial(_evaluate, model, x_test=x_test, y_test=y_test)
+  else:
+    evaluate = jax.jit(functools.partial(_evaluate_fn, model, x_test=x_test, y_test=y_test))
 
   history = []
   params, opt_state, step = state.params, state.opt_state, state.step
