@@ -144,7 +144,7 @@ def _bad_nodes(tree: Any, n: int | None) -> jax.Array:
   if not counts:
     return jnp.zeros(() if n is None else (n,), bool)
   # XLA copies a chain of cheap element-wise ops into the fusion of every consumer (here each leaf's select):
-  # an ``|`` over 130 leaves, copied into 130 selects, made a ResNet-20 step compile 4x as long. A square root
+  # an ``|`` over 130 leaves, copied into 130 selects, made a ResNet-20 step compile in 26 s (10 s now). A square root
   # is an op XLA does not copy, so the sum over the leaves is computed once.
   return jnp.sqrt(functools.reduce(jnp.add, counts)) > 0
 

@@ -95,7 +95,7 @@ def test_nan_in_one_leaf_of_a_tree_skips_the_whole_node():
 
 def test_the_guarded_step_grows_linearly_with_the_number_of_leaves():
   """The per-node flag is computed once, not copied into every leaf's select: a ResNet-20 (130 leaves) step
-  compiled 4x as long with the copies. Compiled ops per leaf stay flat from 16 to 64 leaves (they grew 3x)."""
+  compiled in 26 s with the copies, 10 s without. Compiled ops per leaf stay flat from 16 to 64 leaves (they grew 3x)."""
   import re
 
   def compiled_ops(leaves):
