@@ -45,6 +45,22 @@ def _add(x: jax.Array, u: jax.Array) -> jax.Array:
   return lax.add(x, u) if x.dtype == u.dtype and jnp.shape(x) == jnp.shape(u) else x + u
 
 
+def _gossip_round(mix: Any, tree: tuple[Any, Any], step: Any) -> Any:
+  """``W(x + u) - x`` over node-stacked ``(x, u)``, rounded to x's dtype.
+
+  A non-finite entry of ``x + u`` is sent as x's and kept in the node's own step, so a NaN
+  never reaches a neighbour (and a per-node gate such as ``apply_if_finite`` still sees it).
+  Entry by entry: no reduction over a node that spans devices.
+  """
+  params, updates = tree
+  x_half = jax.tree.map(_add, params, updates)
+  finite = jax.tree.map(lax.is_finite, x_half)
+  sent = jax.tree.map(lambda x, h, f: lax.select(f, h, _as(x, h.dtype)), params, x_half, finite)
+  mixed = mix(sent, step)
+  return jax.tree.map(lambda m, x, h, f: lax.sub(lax.select(f, _as(m, x.dtype), _as(h, x.dtype)), x),
+                      mixed, params, x_half, finite)
+
+
 def mix(topology: Any, every: int = 1, *, backend: Backend | None = None) -> optax.GradientTransformationExtraArgs:
   r"""Turns a local update ``u`` into a gossiped one: ``u' = W(x + u) - x``.
 
@@ -111,24 +127,15 @@ def mix_named(name: str, topology: Any, every: int = 1,
     require_params(params, name)
     check_node_axis(params, mixer.local_nodes, name, mixer.topology.name)
     updates = zero_skipped(updates, skip_nodes)
-    x_half = jax.tree.map(_add, params, updates)
 
-    def gossip(x_half):
-      # A non-finite entry of x + u is sent as x's and kept in the node's own step, so a NaN never
-      # reaches a neighbour (and a per-node gate such as apply_if_finite still sees it). Entry by
-      # entry: no reduction over a node that spans devices.
-      # (lax's primitives, not jnp's jitted wrappers: one op each to trace per leaf, under vmap too.)
-      finite = jax.tree.map(lax.is_finite, x_half)
-      sent = jax.tree.map(lambda x, h, f: lax.select(f, h, _as(x, h.dtype)), params, x_half, finite)
-      mixed = mixer.mix(sent, state.count // period)
-      return jax.tree.map(lambda m, x, h, f: lax.sub(lax.select(f, _as(m, x.dtype), _as(h, x.dtype)), x),
-                          mixed, params, x_half, finite)
+    def gossip(params, updates):
+      return mixer.call_stacked(_gossip_round, (params, updates), state.count // period, lambda t: t[0])
 
     if isinstance(period, int) and period == 1:
-      new_updates = gossip(x_half)
+      new_updates = gossip(params, updates)
     else:
       local = jax.tree.map(lambda u, x: u.astype(x.dtype), updates, params)  # both branches: params' dtypes
-      new_updates = lax.cond(state.count % period == period - 1, gossip, lambda _: local, x_half)
+      new_updates = lax.cond(state.count % period == period - 1, gossip, lambda *_: local, params, updates)
     return new_updates, MixState(count=next_count(state.count))
 
   return float_leaves_only(optax.GradientTransformationExtraArgs(init_fn, update_fn), keep_other_updates=True)

@@ -55,6 +55,18 @@ class NodeMixer:
   def mix(self, tree: Any, step: jax.Array | int = 0, wire: Wire | None = None) -> Any:
     return self._collective(tree, step, wire, self.stacked.mix, lambda tree: tree)
 
+  def call_stacked(self, fn: Callable[[Callable[[Any, Any], Any], Any, Any], Any], tree: Any,
+                   step: jax.Array | int = 0, like: Callable[[Any], Any] = lambda tree: tree) -> Any:
+    """``fn(mix, tree, step)`` on the nodes' stacked trees, ``mix(tree, step)`` the backend's stacked mixer.
+
+    On stacked trees this is the call itself. For one node (inside a mapping) it is one
+    collective whose batching rule runs ``fn`` on the node-stacked ``tree``: the entry-wise
+    work around a gossip round is traced once on stacked arrays, not per node under
+    ``jax.vmap``. ``like(tree)`` has the structure, shapes and dtypes of one node's output.
+    """
+    stacked_mix = self.stacked.mix
+    return self._collective(tree, step, None, lambda t, s, w: fn(lambda x, k: stacked_mix(x, k, w), t, s), like)
+
   def mix_rounds(self, tree: Any, wire: Wire | None = None) -> tuple[Any, ...]:
     """Each round of a static W apart: ``(W_1 x, ..., W_c x)`` with ``W = diag(self weight) + sum_r W_r``.
 
