@@ -56,7 +56,7 @@ class NodeMixer:
     return self._collective(tree, step, wire, self.stacked.mix, lambda tree: tree)
 
   def call_stacked(self, fn: Callable[[Callable[[Any, Any], Any], Any, Any], Any], tree: Any,
-                   step: jax.Array | int = 0, like: Callable[[Any], Any] = lambda tree: tree) -> Any:
+                   step: jax.Array | int, like: Callable[[Any], Any]) -> Any:
     """``fn(mix, tree, step)`` on the nodes' stacked trees, ``mix(tree, step)`` the backend's stacked mixer.
 
     On stacked trees this is the call itself. For one node (inside a mapping) it is one
