@@ -375,7 +375,7 @@ def train(args: argparse.Namespace) -> dict:
   """
   from gossipjax.backend import Mpi
   from gossipjax.data import load_digits
-  from gossipjax.train._job import JobLog, OutputFolder, fresh_folder
+  from gossipjax.train._job import LOG, JobLog, OutputFolder, fresh_folder
   from gossipjax.train._placement import Placement
 
   _check_args(args)
@@ -401,7 +401,7 @@ def train(args: argparse.Namespace) -> dict:
     runs, txs, skipped = _build_runs(args, backend)
     _on_main(placement, comm, lambda: _start_job(args, folder, runs))
     started = True
-    log = JobLog(args.out)
+    log = JobLog(args.out, on_first=(lambda: folder.record(LOG)) if placement.is_main else None)
     try:
       with log:
         return _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped)

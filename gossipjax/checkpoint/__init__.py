@@ -6,14 +6,17 @@ so a crash mid-save leaves the previous steps usable, and a truncated or corrupt
 raises `CorruptCheckpointError` instead of returning garbage.
 """
 
-from gossipjax.checkpoint._checkpoint import CorruptCheckpointError, all_steps, latest_step, restore, save
+from gossipjax.checkpoint._checkpoint import (
+    CorruptCheckpointError, all_steps, foreign_files, latest_step, remove, restore, save)
 from gossipjax.checkpoint._ranks import rank_directory
 
 __all__ = (
     "CorruptCheckpointError",
     "all_steps",
+    "foreign_files",
     "latest_step",
     "rank_directory",
+    "remove",
     "restore",
     "save",
 )

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gossipjax._extras import require_train_extra
-from gossipjax.checkpoint._ranks import _claim, _mpi_rank, _rank_refusal
+from gossipjax.checkpoint._ranks import _OWNER, _claim, _mpi_rank, _rank_refusal
 
 _MANIFEST = "gossipjax_manifest.json"
 _STATE = "state"
@@ -180,8 +180,27 @@ def _saving(directory: pathlib.Path) -> Iterator[None]:
     os.close(fd)
 
 
-def _remove(path: pathlib.Path) -> None:
-  """Renames ``path`` out of the readers' view (``.del-<id>``), then deletes it; gone already is fine."""
+def _remove(path: pathlib.Path, successor: pathlib.Path | None = None) -> None:
+  """Removes what saves wrote at ``path``, out of the readers' view first; gone already is fine.
+
+  A step that holds only what its save wrote is renamed to ``.del-<id>``, then deleted. One
+  that holds files of someone else's is emptied of its own files where it is, its manifest
+  last (a kill midway leaves a step that fails its checksums, never a file of theirs gone);
+  when the step has a new version, ``successor``, their files move back into it.
+  """
+  others = _others_files(path) if path.is_dir() and not path.is_symlink() else []
+  if others:
+    _delete(path)
+    for rel in others if successor is not None else []:
+      target = successor / rel
+      if not os.path.lexists(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+          os.rename(path / rel, target)
+    for dirpath, _, _ in sorted(os.walk(path), key=lambda w: len(w[0]), reverse=True):
+      with contextlib.suppress(OSError):
+        os.rmdir(dirpath)  # only where it is empty
+    return
   trash = path.parent / f"{_DEL_PREFIX}{uuid.uuid4().hex}"
   try:
     os.rename(path, trash)
@@ -190,11 +209,133 @@ def _remove(path: pathlib.Path) -> None:
   _delete(trash)
 
 
+def _written(step_dir: pathlib.Path) -> set[str]:
+  """The files a save wrote in ``step_dir``, relative to it: its manifest and what the manifest lists.
+
+  A step whose manifest exists but does not read (a torn write, damage) is taken to hold what
+  every save writes: the manifest and orbax's ``state/`` folder. A folder without a manifest
+  holds nothing of a save's.
+  """
+  try:
+    return {*_read_manifest(step_dir)["files"], _MANIFEST}
+  except (CorruptCheckpointError, OSError):
+    if not (step_dir / _MANIFEST).is_file():
+      return set()
+    return {_MANIFEST} | {f"{_STATE}/{rel}" for rel in _entries(step_dir / _STATE)}
+
+
+def _own_whole(path: pathlib.Path) -> bool:
+  """Whether everything under ``path`` is the checkpoints' own: a save's temporary or deleted directory."""
+  return path.name.startswith((_TMP_PREFIX, _DEL_PREFIX))
+
+
+def _others_files(step_dir: pathlib.Path) -> list[str]:
+  """What ``step_dir`` holds (files and links, relative paths) that its save did not write."""
+  if _own_whole(step_dir):
+    return []
+  written = _written(step_dir)
+  return sorted(rel for rel in _entries(step_dir) if rel not in written)
+
+
+def _entries(root: pathlib.Path) -> list[str]:
+  """Every file and link under ``root`` (links not followed), as ``/``-separated paths relative to it."""
+  found = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    here = pathlib.Path(dirpath)
+    for name in filenames + [d for d in dirnames if (here / d).is_symlink()]:
+      found.append((here / name).relative_to(root).as_posix())
+  return found
+
+
 def _delete(path: pathlib.Path) -> None:
-  if path.is_dir() and not path.is_symlink():
-    shutil.rmtree(path, ignore_errors=True)
-  else:
+  """Deletes what saves wrote at ``path``: the whole of a temporary or deleted directory; of a step, the files
+  its manifest lists, the manifest last, and the folders left empty. Anyone else's files stay, with their folders."""
+  if not path.is_dir() or path.is_symlink():
     path.unlink(missing_ok=True)
+    return
+  others = _others_files(path)
+  if not others:
+    shutil.rmtree(path, ignore_errors=True)
+    return
+  written = _written(path)
+  for rel in sorted(written - {_MANIFEST}) + [_MANIFEST]:
+    with contextlib.suppress(OSError):
+      (path / rel).unlink()
+  for dirpath, _, _ in sorted(os.walk(path), key=lambda w: len(w[0]), reverse=True):
+    with contextlib.suppress(OSError):
+      os.rmdir(dirpath)  # only where it is empty
+
+
+def _is_own_entry(name: str) -> bool:
+  """Whether a name directly in a checkpoint directory is one that saves write (a step, a save's debris, the lock)."""
+  return name.isdigit() or name.startswith((_TMP_PREFIX, _DEL_PREFIX, _OLD_PREFIX)) or name in (_LOCK, _OWNER)
+
+
+def foreign_files(directory: str | os.PathLike) -> list[str]:
+  """What a checkpoint directory holds that no `save` wrote: files and links, as paths relative to it.
+
+  A save writes its steps (the files each step's manifest lists, and the manifest), the
+  temporary and old versions of steps being written or replaced, and the directory's lock
+  and owner files. Anything else (an evaluation of one's own next to the steps, a file put
+  inside a step) is listed here, and `save`, its rotation of old steps and `remove` leave it
+  where it is.
+
+  Args:
+    directory: a checkpoint directory (a missing one holds nothing).
+
+  Returns:
+    The sorted relative paths, ``/``-separated.
+
+  Example:
+    >>> import os, tempfile, jax.numpy as jnp, gossipjax as gj
+    >>> d = tempfile.mkdtemp()
+    >>> _ = gj.checkpoint.save(d, {"w": jnp.ones(2)}, step=1)
+    >>> open(os.path.join(d, "1", "notes.txt"), "w").close()
+    >>> gj.checkpoint.foreign_files(d)
+    ['1/notes.txt']
+  """
+  root = pathlib.Path(directory)
+  if not root.is_dir():
+    return []
+  found = []
+  for p in sorted(root.iterdir()):
+    whole_dir = p.is_dir() and not p.is_symlink()
+    if whole_dir and _is_own_entry(p.name) and p.name not in (_LOCK, _OWNER):
+      found += [f"{p.name}/{rel}" for rel in _others_files(p)]
+    elif not whole_dir and p.name in (_LOCK, _OWNER):
+      continue
+    else:  # a name saves never write, or a file or link where they write a directory
+      found += [f"{p.name}/{rel}" for rel in _entries(p)] if whole_dir and _entries(p) else [p.name]
+  return found
+
+
+def remove(directory: str | os.PathLike) -> None:
+  """Deletes every step and file that saves wrote in ``directory``, and the directory where that leaves it empty.
+
+  Files of anyone else's (`foreign_files`) stay, with the folders that hold them.
+
+  Args:
+    directory: a checkpoint directory; a missing one is fine.
+
+  Example:
+    >>> import os, tempfile, jax.numpy as jnp, gossipjax as gj
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = gj.checkpoint.save(d, {"w": jnp.ones(2)}, step=1)
+    >>> gj.checkpoint.remove(d)
+    >>> os.path.exists(d)
+    False
+  """
+  root = pathlib.Path(directory)
+  if not root.is_dir():
+    return
+  for p in sorted(root.iterdir()):
+    whole_dir = p.is_dir() and not p.is_symlink()
+    if whole_dir and _is_own_entry(p.name) and p.name not in (_LOCK, _OWNER):
+      _remove(p)
+    elif not whole_dir and p.name in (_LOCK, _OWNER):
+      p.unlink()
+  with contextlib.suppress(OSError):
+    root.rmdir()  # only where it is empty
 
 
 def _clear_debris(directory: pathlib.Path) -> None:
@@ -309,7 +450,7 @@ def save(directory: str | os.PathLike, tree: Any, step: int, *, keep: int | None
     aside = _put_in_place(tmp, final)
     _fsync_dir(directory)
     for old in aside:
-      _remove(old)
+      _remove(old, successor=final)
     if keep is not None:
       for s in all_steps(directory)[:-keep]:
         for version in (directory / str(s), *directory.glob(f"{_OLD_PREFIX}{s}-*")):

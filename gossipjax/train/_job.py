@@ -24,7 +24,7 @@ import hashlib
 import json
 import logging
 import os
-import shutil
+import re
 import socket
 import sys
 from typing import Any, Callable
@@ -34,9 +34,10 @@ try:
 except ImportError:  # Windows: no lock, the folder checks still apply
   fcntl = None
 
-#: What a job writes into its output folder besides each run's `run_folder`. ``job.json`` records every
-#: path the job writes, and ``--overwrite`` removes those and nothing else.
-JOB_FILES = ("job.json", "job.log", "metrics.json", "plot.png")
+#: What a job writes into its output folder besides each run's `run_folder` (and ``job.log``, recorded when the
+#: job first writes it). ``job.json`` records every path the job writes, and ``--overwrite`` removes those and
+#: nothing else.
+JOB_FILES = ("job.json", "metrics.json", "plot.png")
 #: The files a job replaces whole when it ends; ``job.json`` records the SHA-256 of what it wrote there.
 RESULT_FILES = ("metrics.json", "plot.png")
 #: What a job of an earlier version wrote; its ``job.json`` records no paths.
@@ -161,20 +162,34 @@ class OutputFolder:
     return [p for p in self.recorded() or [] if os.path.lexists(os.path.join(self.path, p))]
 
   def foreign(self) -> list[str]:
-    """What the folder holds that no job recorded writing (its lock and the recorded paths' temporary files aside)."""
+    """What the folder holds that no job recorded writing, at any depth (its lock aside).
+
+    A recorded file stands for itself and the temporary files the job writes it through
+    (`temporaries`); a recorded run folder for the files its runs wrote there: the rows
+    (``history.json``) and what `gj.checkpoint.save` wrote (`gj.checkpoint.foreign_files`
+    lists the rest), in per-rank folders ``rank_<k>/`` under MPI.
+    """
     if not os.path.isdir(self.path):
       return []
     recorded = self.recorded() or []
-    temporary = recorded + ["job.json"]  # job.json.tmp: the first write of a job.json, killed
-    ours = lambda rel: rel in recorded or any(rel.startswith(p + ".tmp") for p in temporary)
+    ours = lambda rel: rel in recorded or any(is_temporary(rel, p) for p in recorded + ["job.json"])  # job.json.tmp: a killed first write
+    runs = {p for p in recorded if p.startswith("checkpoints/")}
+    if "checkpoints" in recorded and os.path.isdir(os.path.join(self.path, "checkpoints")):  # an earlier version's job
+      runs |= {f"checkpoints/{n}" for n in os.listdir(os.path.join(self.path, "checkpoints"))}
+      recorded = [p for p in recorded if p != "checkpoints"] + sorted(runs)
     found: list[str] = []
 
     def walk(rel: str) -> None:
       for name in sorted(os.listdir(os.path.join(self.path, rel))):
         child = f"{rel}/{name}" if rel else name
-        if (child == LOCK and _is_lock_file(os.path.join(self.path, LOCK))) or ours(child):
+        path = os.path.join(self.path, child)
+        if child == LOCK and _is_lock_file(path):
           continue
-        if any(p.startswith(child + "/") for p in recorded) and os.path.isdir(os.path.join(self.path, child)):
+        if child in runs and os.path.isdir(path) and not os.path.islink(path):
+          found.extend(f"{child}/{r}" for r in _run_foreign(path))
+        elif ours(child) and child not in runs:
+          continue
+        elif any(p.startswith(child + "/") for p in recorded) and os.path.isdir(path) and not os.path.islink(path):
           walk(child)  # a folder (checkpoints/) that holds recorded paths: what else is in it?
         else:
           found.append(child)
@@ -201,20 +216,36 @@ class OutputFolder:
     return found
 
   def clear(self) -> None:
-    """Removes what the folder's job recorded writing, and the folders left empty; nothing else."""
+    """Removes exactly what the folder's job recorded writing, and the folders that leaves empty; nothing else.
+
+    Of a run folder, that is its rows and what `gj.checkpoint.save` wrote (`gj.checkpoint.remove`);
+    a file of anyone else's stays where it is, at any depth.
+    """
     recorded = self.recorded() or []
+    earlier = os.path.join(self.path, "checkpoints")
+    if "checkpoints" in recorded and os.path.isdir(earlier):  # an earlier version's job: each folder in it a run's
+      recorded = [p for p in recorded if p != "checkpoints"] + [f"checkpoints/{n}" for n in sorted(os.listdir(earlier))]
     for rel in recorded:
-      folder, name = os.path.split(os.path.join(self.path, *rel.split("/")))
+      path = os.path.join(self.path, *rel.split("/"))
+      if rel.startswith("checkpoints/") and os.path.isdir(path) and not os.path.islink(path):
+        _clear_run(path)
+        continue
+      folder, name = os.path.split(path)
       for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if entry == name or entry.startswith(name + ".tmp"):
-          path = os.path.join(folder, entry)
-          if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-          else:
-            os.remove(path)
+        target = os.path.join(folder, entry)
+        if (entry == name or is_temporary(entry, name)) and (os.path.islink(target) or os.path.isfile(target)):
+          os.remove(target)
     for rel in sorted({os.path.dirname(p) for p in recorded if "/" in p}, key=len, reverse=True):
       with contextlib.suppress(OSError):
         os.rmdir(os.path.join(self.path, *rel.split("/")))  # only where it is empty
+
+  def record(self, path: str) -> None:
+    """Adds ``path`` to the paths job.json records (before the job first writes it)."""
+    job = self._job()
+    files = self.recorded()
+    if job is None or files is None or path in files:
+      return
+    write_json(os.path.join(self.path, "job.json"), {**job, "files": sorted({*files, path})})
 
   def read_options(self) -> dict[str, Any] | None:
     """The options recorded by the job that wrote the folder, or ``None``."""
@@ -266,6 +297,55 @@ class OutputFolder:
       for tmp in tmps.values():
         with contextlib.suppress(OSError):
           os.remove(tmp)
+
+
+def temporaries(rel: str) -> list[str]:
+  """The temporary files the job writes ``rel`` through, by their exact names (`write_json`'s, `write_results`')."""
+  ext = os.path.splitext(rel)[1]
+  return [f"{rel}.tmp", f"{rel}.tmp{ext}"] if ext else [f"{rel}.tmp"]
+
+
+def is_temporary(name: str, rel: str) -> bool:
+  """Whether ``name`` is one of the temporary files of ``rel``: `temporaries`, or `write_metrics`' own (``.tmp-<pid>``)."""
+  tmps = temporaries(rel)
+  return name in tmps or any(re.fullmatch(re.escape(t) + r"\.tmp-[0-9]+", name) for t in tmps)
+
+
+_RANK_FOLDER = re.compile(r"rank_[0-9]+")
+
+
+def _run_foreign(path: str) -> list[str]:
+  """What a run folder (or one rank's folder in it) holds that its runs did not write, relative to it."""
+  from gossipjax import checkpoint
+
+  found = []
+  ranks = sorted(n for n in os.listdir(path) if _RANK_FOLDER.fullmatch(n) and os.path.isdir(os.path.join(path, n))
+                 and not os.path.islink(os.path.join(path, n)))
+  for rel in checkpoint.foreign_files(path):
+    head = rel.split("/")[0]
+    if rel in [HISTORY, *temporaries(HISTORY)] or head in ranks:
+      continue
+    found.append(rel)
+  for rank in ranks:
+    found += [f"{rank}/{rel}" for rel in _run_foreign(os.path.join(path, rank))]
+  return found
+
+
+def _clear_run(path: str) -> None:
+  """Removes what a run wrote into its folder (rows, checkpoints; per rank under MPI), and the folders left empty."""
+  from gossipjax import checkpoint
+
+  for name in os.listdir(path):
+    child = os.path.join(path, name)
+    if _RANK_FOLDER.fullmatch(name) and os.path.isdir(child) and not os.path.islink(child):
+      _clear_run(child)
+  for name in [HISTORY, *temporaries(HISTORY)]:
+    target = os.path.join(path, name)
+    if os.path.islink(target) or os.path.isfile(target):
+      os.remove(target)
+  checkpoint.remove(path)
+  with contextlib.suppress(OSError):
+    os.rmdir(path)
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -325,6 +405,11 @@ class JobLog:
   failure with a cause, or after such records, adds its own traceback. Where the folder is
   not on this host (another MPI host), the records stay where they were going.
 
+  Args:
+    folder: the output folder.
+    on_first: called once, before the first record is written (the main job records the
+      file in job.json there, so that a job that logs nothing never claims a job.log).
+
   Attributes:
     path: the log file.
     records: how many records this job wrote there.
@@ -332,14 +417,17 @@ class JobLog:
 
   LOGGERS = ("absl", "gossipjax.train")
 
-  def __init__(self, folder: str):
+  def __init__(self, folder: str, on_first: Callable[[], None] | None = None):
     self.path = os.path.join(folder, LOG)
     self.records = 0
+    self._on_first = on_first  # job.json records job.log before its first record is written
     self._handler: logging.Handler | None = None
     self._saved: list[tuple[logging.Logger, bool]] = []
 
   def _count(self, record: logging.LogRecord) -> bool:
     del record
+    if not self.records and self._on_first is not None:
+      self._on_first()
     self.records += 1
     return True
 

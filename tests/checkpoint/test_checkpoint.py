@@ -69,6 +69,28 @@ def test_keep_latest_and_explicit_steps(tmp_path):
   assert ckpt.latest_step(tmp_path / "empty") is None
 
 
+def test_rotation_replacement_and_remove_delete_only_what_saves_wrote(tmp_path):
+  """A user's files inside a step, beside the steps, or in a step being replaced stay; the steps' own files go."""
+  tree = {"s": jnp.asarray(1)}
+  for s in (1, 2):
+    ckpt.save(tmp_path, tree, step=s, keep=2)
+  users = {"1/my_eval.txt": "eval of step 1", "1/state/mine.bin": "x", "2/notes.txt": "on step 2", "mine.pt": "model"}
+  for rel, text in users.items():
+    (tmp_path / rel).write_text(text)
+  assert ckpt.foreign_files(tmp_path) == sorted(users)
+  ckpt.save(tmp_path, tree, step=3, keep=2)  # rotates step 1 out
+  ckpt.save(tmp_path, tree, step=2, keep=2)  # replaces step 2
+  assert ckpt.all_steps(tmp_path) == [2, 3]
+  assert {rel: (tmp_path / rel).read_text() for rel in users} == users
+  assert sorted(str(p.relative_to(tmp_path / "1")) for p in (tmp_path / "1").rglob("*")) == \
+      ["my_eval.txt", "state", "state/mine.bin"]  # nothing of the save's is left in step 1
+  assert ckpt.foreign_files(tmp_path) == sorted(users)
+  ckpt.remove(tmp_path)
+  assert ckpt.all_steps(tmp_path) == [] and {rel: (tmp_path / rel).read_text() for rel in users} == users
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "mine.pt"]
+  assert sorted(p.name for p in (tmp_path / "2").iterdir()) == ["notes.txt"]
+
+
 def test_crash_mid_save_leaves_previous_checkpoint_usable(tmp_path, monkeypatch):
   ckpt.save(tmp_path, {"w": jnp.ones(3)}, step=1)
 

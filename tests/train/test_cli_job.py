@@ -55,8 +55,7 @@ def test_a_new_job_leaves_another_jobs_folder_alone_unless_told_to_overwrite(tmp
   cli.main(TINY + ["--steps", "5", "--out", str(tmp_path), "--overwrite"])
   assert not (tmp_path / "checkpoints").exists()
   job = json.loads((tmp_path / "job.json").read_text())
-  assert job["lr"] == 0.1 and job["files"] == ["checkpoints/dpsgd__ring", "job.json", "job.log", "metrics.json",
-                                               "plot.png"]
+  assert job["lr"] == 0.1 and job["files"] == ["checkpoints/dpsgd__ring", "job.json", "metrics.json", "plot.png"]
   # what this job recorded is all that a next --overwrite removes: a file of the user's beside it is refused
   (tmp_path / "checkpoints" / "dpsgd__ring").mkdir(parents=True)
   (tmp_path / "checkpoints" / "mine.pt").write_text("mine")
@@ -251,6 +250,40 @@ def test_a_folder_of_the_users_own_results_is_refused_and_left_as_it_was(tmp_pat
   assert _files(tmp_path) == before  # the same bytes, and no job.lock or job.json beside them
 
 
+# A user's file at any depth of a job's folder, the names the job's own files merely begin with among them.
+USERS_FILES = ("checkpoints/dpsgd__ring/my_eval.txt", "checkpoints/dpsgd__ring/15/my_eval.txt",
+               "checkpoints/dpsgd__ring/15/state/mine.bin", "checkpoints/dpsgd__ring/history.json.bak",
+               "job.log", "metrics.json.tmpl", "plot.png.tmp.png.old")
+
+
+@pytest.mark.parametrize("mode", [["--resume"], ["--overwrite"], []], ids=["resume", "overwrite", "new"])
+@pytest.mark.parametrize("users", USERS_FILES)
+def test_a_users_file_at_any_depth_of_a_jobs_folder_is_refused_and_kept(checkpointed, tmp_path, capsys,
+                                                                       refused_first, mode, users):
+  out, _ = _copy(checkpointed, tmp_path)
+  assert "job.log" not in json.loads((out / "job.json").read_text())["files"]  # the job logged nothing
+  (out / users).write_text("mine")
+  before = _files(out)
+  err = _fails(TINY + ["--steps", "20", "--out", str(out)] + mode, capsys, 2)
+  assert f"argument --out: {out} holds {users}, which no gossipjax job recorded writing" in err
+  assert _files(out) == before
+
+
+def test_overwrite_removes_exactly_what_the_job_wrote(checkpointed, tmp_path, no_training):
+  out, run = _copy(checkpointed, tmp_path)
+  (run / "15" / "gossipjax_manifest.json").unlink()  # step 15 unsealed: its files are no save's any more
+  job = json.loads((out / "job.json").read_text())
+  (out / "job.json").write_text(json.dumps({**job, "files": [*job["files"], "job.log"]}))
+  # With the step's files now unknown to the job, the folder is refused ...
+  with pytest.raises(SystemExit):
+    cli.main(TINY + ["--steps", "5", "--out", str(out), "--overwrite"])
+  # ... and a job's folder with a file the job did write (a listed job.log) loses that file and nothing else.
+  (run / "15").rename(tmp_path / "step15")
+  (out / "job.log").write_text("the job's log")
+  cli.main(TINY + ["--steps", "5", "--out", str(out), "--overwrite"])
+  assert not (out / "job.log").exists() and not (out / "checkpoints").exists()
+
+
 def test_resume_refuses_a_jobs_folder_that_also_holds_the_users_files(checkpointed, tmp_path, capsys, refused_first):
   out, _ = _copy(checkpointed, tmp_path)
   (out / "notes.txt").write_text("what I changed")
@@ -305,7 +338,7 @@ def test_resume_where_no_job_is_starts_one_and_says_so(tmp_path, capsys, no_trai
   assert capsys.readouterr().err == (f"gossipjax train: warning: argument --resume: {out} holds no job yet; starting "
                                      "one, every run from step 0\n")
   assert no_training == [str(out)] and sorted(p.name for p in out.iterdir()) == ["job.json"]
-  assert json.loads((out / "job.json").read_text())["files"] == ["checkpoints/dpsgd__ring", "job.json", "job.log",
+  assert json.loads((out / "job.json").read_text())["files"] == ["checkpoints/dpsgd__ring", "job.json",
                                                                  "metrics.json", "plot.png"]
 
 
