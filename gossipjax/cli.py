@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                       f"{', '.join('--' + o.replace('_', '-') for o in RESUME_OPTIONS)}; --steps must reach the "
                       "checkpoints' step; --max-bad-steps, --checkpoint-every and --devices take their new values")
   t.add_argument("--allow-changed-options", action="store_true",
-                 help="with --resume: continue even where those options differ from the checkpointed job's")
+                 help="with --resume: continue even where those options differ from the checkpointed job's "
+                      "(job.json and metrics.json record each launch's options, and each row its launch)")
   p.set_defaults(parser=t)
   return p
 
@@ -276,9 +277,12 @@ def _claim_out(args: argparse.Namespace, folder) -> None:
     differ = [k for k in RESUME_OPTIONS if k in then and _differs(k, then, now)]
     if differ and not args.allow_changed_options:
       show = lambda v: ",".join(map(str, v)) if isinstance(v, list) else "(default)" if v is None else str(v)
-      was = ", ".join(f"--{k.replace('_', '-')} {show(then[k])}" for k in differ)
-      asked = ", ".join(f"--{k.replace('_', '-')} {show(now[k])}" for k in differ)
-      raise UsageError(f"argument --resume: the job in {args.out} was started with {was}, not {asked}; "
+      flags = lambda options, keys: ", ".join(f"--{k.replace('_', '-')} {show(options[k])}" for k in keys)
+      was, asked = flags(then, differ), flags(now, differ)
+      first = (folder.launches() or [then])[0]
+      started = [k for k in differ if k in first and _differs(k, first, then)]
+      how = (f"last ran with {was} (started with {flags(first, started)})" if started else f"was started with {was}")
+      raise UsageError(f"argument --resume: the job in {args.out} {how}, not {asked}; "
                        "pass the same options, or add --allow-changed-options to continue anyway")
   elif folder.outputs() and not args.overwrite:
     raise UsageError(f"argument --out: {args.out} holds another job's {', '.join(folder.outputs())}; continue "
@@ -307,13 +311,17 @@ def _refuse_foreign(args: argparse.Namespace, folder) -> None:
                      "a new or empty --out (a job's folder holds that job's files only)")
 
 
-def _start_job(args: argparse.Namespace, folder, runs) -> None:
-  """Once every check has passed: clears the folder when asked to, and records the job's options and paths."""
+def _start_job(args: argparse.Namespace, folder, runs) -> int:
+  """Once every check has passed: clears the folder when asked to, and records the job's options and paths.
+
+  Returns the index of this launch's options in job.json's ``launches``.
+  """
   from gossipjax.train._job import JOB_FILES, run_folder
 
   if args.overwrite:
     folder.clear()
-  folder.write_options(_resume_options(args), list(JOB_FILES) + [run_folder(c.name) for c in runs])
+  return folder.write_options(_resume_options(args), list(JOB_FILES) + [run_folder(c.name) for c in runs],
+                              resume=args.resume)
 
 
 def _on_main(placement, comm, fn: Callable[[], Any]) -> Any:
@@ -399,7 +407,7 @@ def train(args: argparse.Namespace) -> dict:
   try:
     _on_main(placement, comm, lambda: _claim_out(args, folder))
     runs, txs, skipped = _build_runs(args, backend)
-    _on_main(placement, comm, lambda: _start_job(args, folder, runs))
+    args.launch = _on_main(placement, comm, lambda: _start_job(args, folder, runs))
     started = True
     log = JobLog(args.out, on_first=(lambda: folder.record(LOG)) if placement.is_main else None)
     try:
@@ -514,6 +522,8 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
 
   model = _make_model(args, dataset)
   results = {}
+  # Each row records the launch whose options made it (job.json's "launches", metrics.json's config).
+  launched = lambda rows: [{**row, "launch": args.launch} for row in rows]
   quiet = args.no_progress or not placement.is_main
   with tqdm(total=sum(c.steps for c in runs), unit="step", disable=quiet, file=sys.stderr) as bar:
     for cfg, tx in zip(runs, txs):
@@ -524,6 +534,7 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
       ckpt = RunCheckpoints(directory, args.checkpoint_every, placement, cfg.name, comm, placement.is_main)
       fresh = init_state(cfg, dataset, model, tx, backend)
       state, previous = ckpt.restore(fresh) if args.resume else (None, [])
+      previous = [{**row, "launch": row.get("launch", 0)} for row in previous]  # rows of a version that tagged none
       if state is not None:
         if state.step > cfg.steps:
           error = UsageError(f"argument --steps: {cfg.steps} is below step {state.step}, where {cfg.name} was "
@@ -535,13 +546,15 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
         bar.update(state.step)
       try:
         _, history, seconds = timed_run(cfg, dataset, model, tx, progress=bar.update, state=state or fresh,
-                                        on_chunk=lambda st, rows: ckpt.save(st, previous + rows), backend=backend,
+                                        on_chunk=lambda st, rows: ckpt.save(st, previous + launched(rows)),
+                                        backend=backend,
                                         sent_before=previous[-1].get("bytes_sent", 0.0) if previous else 0.0)
       except FloatingPointError as e:
         error = JobError(f"{cfg.name}: {e}; try a smaller --lr")
         error.quiet = comm is not None and not placement.is_main  # every rank raises it together
         raise error from e
-      results[cfg.name] = {"config": dataclasses.asdict(cfg), "history": previous + history, "seconds": seconds}
+      results[cfg.name] = {"config": dataclasses.asdict(cfg), "history": previous + launched(history),
+                           "seconds": seconds}
 
   if not placement.is_main:
     return results
@@ -549,12 +562,16 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
   config = {k: v for k, v in vars(args).items() if k not in ("func", "parser")}
   devices = placement.num_devices * args.devices_per_node  # every device the job uses, however they group
   config["devices"] = devices
+  folder = OutputFolder(args.out)
+  config["launches"] = folder.launches()
+  if args.resume:  # the job's runs that this launch does not continue keep their results
+    results = {**{k: v for k, v in folder.results().items() if k not in results}, **results}
   config["devices_per_node"] = args.devices_per_node
   where = (f"{args.backend} on {devices} {placement.unit}" if devices > 1 else args.backend)
   if args.devices_per_node > 1:
     where += f", {args.devices_per_node} a node"
   title = f"{args.nodes} nodes, {args.model} on digits, {args.partition} partition, {where} ({jax.default_backend()})"
-  OutputFolder(args.out).write_results({
+  folder.write_results({
       "metrics.json": lambda path: write_metrics(path, {**config, "skipped": skipped}, results),
       "plot.png": lambda path: plot(path, results, title=title, x=args.x_axis)})
   print(result_table(results))

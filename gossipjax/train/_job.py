@@ -258,16 +258,53 @@ class OutputFolder:
     except ValueError as e:
       raise JobError(f"{path} is unreadable ({e}): the folder's job cannot be checked; choose another --out") from None
 
-  def write_options(self, options: dict[str, Any], files: list[str]) -> None:
+  def write_options(self, options: dict[str, Any], files: list[str], resume: bool = False) -> int:
     """Records the job's options and every path it writes (with those an earlier job of the folder recorded).
 
-    The result files there now are the job's (`foreign` and `changed` found nothing else): their
-    SHA-256 are recorded with them.
+    job.json keeps the options at its top level (what a next ``--resume`` is compared with) and
+    ``launches``: the options of every launch of the job that ran with other options than the
+    one before (``--resume --allow-changed-options``), in order. The result files there now
+    are the job's (`foreign` and `changed` found nothing else): their SHA-256 are recorded
+    with them.
+
+    Args:
+      options: this launch's options.
+      files: the paths this launch writes.
+      resume: whether this launch continues the folder's job (else it is a new job's first).
+
+    Returns:
+      The index in ``launches`` of this launch's options: what each metrics row it makes records.
     """
+    launches = self.launches() if resume else []
+    if not launches or launches[-1] != options:
+      launches.append(options)
     files = sorted(set(self.recorded() or []) | set(files) | {"job.json"})
     digests = {name: [_sha256(os.path.join(self.path, name))] for name in RESULT_FILES
                if os.path.isfile(os.path.join(self.path, name))}
-    write_json(os.path.join(self.path, "job.json"), {**options, "files": files, "digests": digests})
+    write_json(os.path.join(self.path, "job.json"),
+               {**options, "launches": launches, "files": files, "digests": digests})
+    return len(launches) - 1
+
+  def launches(self) -> list[dict[str, Any]]:
+    """The options of each launch of the folder's job, the first first (one, for a job.json that records none)."""
+    job = self._job()
+    if job is None:
+      return []
+    launches = job.get("launches")
+    if isinstance(launches, list) and all(isinstance(o, dict) for o in launches) and launches:
+      return launches
+    return [{k: v for k, v in job.items() if k not in ("files", "digests", "launches")}]
+
+  def results(self) -> dict[str, Any]:
+    """The runs of the metrics.json the folder's job wrote (`changed` found it the job's), or ``{}``."""
+    if "metrics.json" not in (self.recorded() or []) or self.changed():
+      return {}
+    try:
+      with open(os.path.join(self.path, "metrics.json")) as f:
+        runs = json.load(f).get("runs")
+    except (OSError, ValueError, AttributeError):
+      return {}
+    return runs if isinstance(runs, dict) else {}
 
   def write_results(self, writers: dict[str, Callable[[str], None]]) -> None:
     """Writes the result files, each by ``writers[name](path)`` into a temporary file renamed over it.

@@ -222,6 +222,23 @@ def test_resume_refuses_changed_options_unless_allowed(checkpointed, tmp_path, c
   assert json.loads((out / "job.json").read_text())["lr"] == 0.05
 
 
+def test_a_changed_options_resume_keeps_what_each_step_ran_with(tmp_path, capsys):
+  out = tmp_path / "out"
+  two = [a if a != "dpsgd" else "dpsgd,dmsgd" for a in TINY]
+  cli.main(two + ["--steps", "10", "--out", str(out)])
+  cli.main(TINY + ["--steps", "15", "--out", str(out), "--resume", "--lr", "0.05", "--allow-changed-options"])
+  metrics = json.loads((out / "metrics.json").read_text())
+  assert sorted(metrics["runs"]) == ["dmsgd/ring", "dpsgd/ring"]  # the run not continued keeps its results
+  assert [(r["step"], r["launch"]) for r in metrics["runs"]["dpsgd/ring"]["history"]] == [(5, 0), (10, 0), (15, 1)]
+  assert [r["step"] for r in metrics["runs"]["dmsgd/ring"]["history"]] == [5, 10]
+  launches = metrics["config"]["launches"]
+  assert [(o["algorithms"], o["lr"]) for o in launches] == [(["dpsgd", "dmsgd"], 0.1), (["dpsgd"], 0.05)]
+  assert json.loads((out / "job.json").read_text())["launches"] == launches
+  capsys.readouterr()
+  err = _fails(TINY + ["--steps", "20", "--out", str(out), "--resume"], capsys, 2)
+  assert f"the job in {out} last ran with --lr 0.05 (started with --lr 0.1), not --lr 0.1; " in err, err
+
+
 def test_metrics_record_the_momentum_each_run_uses(checkpointed):
   config = json.loads((checkpointed[0] / "metrics.json").read_text())["runs"]["dpsgd/ring"]["config"]
   assert config["beta"] == 0.0
