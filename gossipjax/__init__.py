@@ -6,6 +6,7 @@ leading node axis; a topology (the mixing matrix W) says who averages with whom.
 
 from gossipjax import algorithms, asynchrony, backend, checkpoint, compress, data, layers, mixing, topology
 from gossipjax.backend._traffic import bytes_per_step
+from gossipjax.backend._network import NETWORKS, Network, network, simulated_seconds, time_per_step
 from gossipjax._guard import GuardFiniteState, SkipNodes, check_guard, guard_finite, nonfinite_counts, zero_skipped
 from gossipjax._mapping import chain, nodes, per_node
 from gossipjax._stacked import (
@@ -59,6 +60,8 @@ __all__ = (
     "GradientTrackingState",
     "GuardFiniteState",
     "MixState",
+    "NETWORKS",
+    "Network",
     "OuterState",
     "PeriodicAverageState",
     "QGMomentumState",
@@ -93,6 +96,7 @@ __all__ = (
     "layers",
     "mix",
     "mixing",
+    "network",
     "node_mean",
     "nodes",
     "noloco",
@@ -103,7 +107,9 @@ __all__ = (
     "periodic_average",
     "qg_dmsgd",
     "sgp",
+    "simulated_seconds",
     "streaming_diloco",
+    "time_per_step",
     "topology",
     "zero_skipped",
 )

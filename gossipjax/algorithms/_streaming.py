@@ -13,6 +13,7 @@ from jax import lax
 from gossipjax._axis import mapping, own_leaves
 from gossipjax._guard import SkipNodes, zero_skipped
 from gossipjax._mapping import per_node
+from gossipjax._overlap import overlapping
 from gossipjax._validation import check_in_range, check_period, check_positive_int, is_integer, require_params
 from gossipjax.algorithms._choco import _raw_key
 from gossipjax.algorithms._compressed_mean import (check_compressor, check_mean_form, compress_with_feedback,
@@ -306,13 +307,14 @@ def streaming_diloco(
 
   def fragment_mean(step: _Step, p: int, f: _Fragment, phi: list, takes_part: Participation | None) -> tuple:
     """The fragment's pseudo-gradient averaged over the nodes (the participants), and the new residuals."""
-    if compressor is None:
-      mean = node_average(backend, f.theta, name) if takes_part is None else takes_part.mean(f.theta)
-      return [a - m for a, m in zip(phi, mean)], f.residual
-    sent = compress_with_feedback(compressor, backend, name, [a - t for a, t in zip(phi, f.theta)], f.residual,
-                                  step.key, (step.count // period) * num_fragments + p, error_feedback=error_feedback,
-                                  form=compressed_mean, takes_part=takes_part)
-    return mean_of_compressed(compressor, backend, name, sent, takes_part), sent.residual
+    with overlapping(overlap):  # gj.time_per_step hides this exchange behind the tau inner steps it overlaps
+      if compressor is None:
+        mean = node_average(backend, f.theta, name) if takes_part is None else takes_part.mean(f.theta)
+        return [a - m for a, m in zip(phi, mean)], f.residual
+      sent = compress_with_feedback(compressor, backend, name, [a - t for a, t in zip(phi, f.theta)], f.residual,
+                                    step.key, (step.count // period) * num_fragments + p,
+                                    error_feedback=error_feedback, form=compressed_mean, takes_part=takes_part)
+      return mean_of_compressed(compressor, backend, name, sent, takes_part), sent.residual
 
   def sync(step: _Step, p: int, own: list[bool] | None, f: _Fragment) -> _Fragment:
     """Fragment p's sync: its pseudo-gradient averaged over the nodes that take part, pending until it lands."""
