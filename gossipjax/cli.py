@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import shutil
 import sys
@@ -524,6 +525,13 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
   results = {}
   # Each row records the launch whose options made it (job.json's "launches", metrics.json's config).
   launched = lambda rows: [{**row, "launch": args.launch} for row in rows]
+  _PROGRESS.update(out=args.out if placement.is_main else None, checkpoint_every=args.checkpoint_every)
+
+  def on_chunk(ckpt, previous, state, rows):
+    ckpt.save(state, previous + launched(rows))
+    _PROGRESS["step"] = state.step
+    if args.checkpoint_every and state.step % args.checkpoint_every == 0:
+      _PROGRESS["saved"] = state.step
   quiet = args.no_progress or not placement.is_main
   with tqdm(total=sum(c.steps for c in runs), unit="step", disable=quiet, file=sys.stderr) as bar:
     for cfg, tx in zip(runs, txs):
@@ -533,6 +541,7 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
         directory = str(rank_directory(directory, backend.rank))
       ckpt = RunCheckpoints(directory, args.checkpoint_every, placement, cfg.name, comm, placement.is_main)
       fresh = init_state(cfg, dataset, model, tx, backend)
+      _PROGRESS.update(run=cfg.name, step=None, saved=None)  # step None: restoring
       state, previous = ckpt.restore(fresh) if args.resume else (None, [])
       previous = [{**row, "launch": row.get("launch", 0)} for row in previous]  # rows of a version that tagged none
       if state is not None:
@@ -544,9 +553,10 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
         # The limit lives in the optimizer state; the option given now is the one that applies.
         state.opt_state = state.opt_state._replace(max_consecutive=fresh.opt_state.max_consecutive)
         bar.update(state.step)
+      _PROGRESS.update(run=cfg.name, step=state.step if state else 0, saved=state.step if state else None)
       try:
         _, history, seconds = timed_run(cfg, dataset, model, tx, progress=bar.update, state=state or fresh,
-                                        on_chunk=lambda st, rows: ckpt.save(st, previous + launched(rows)),
+                                        on_chunk=functools.partial(on_chunk, ckpt, previous),
                                         backend=backend,
                                         sent_before=previous[-1].get("bytes_sent", 0.0) if previous else 0.0)
       except FloatingPointError as e:
@@ -599,20 +609,54 @@ def _request_cpu_devices(args: argparse.Namespace) -> None:
   reserve_cpu_threads()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-  """``gossipjax``: a failure is one line on stderr and an exit status, 2 for bad usage, 1 while running."""
-  from gossipjax.checkpoint import CorruptCheckpointError
-  from gossipjax.train._job import JobError, UsageError
+# Where the job is, for the line that Ctrl-C prints: the run, its step, its newest checkpoint, the folder.
+_PROGRESS: dict[str, Any] = {}
 
+
+def _interrupted() -> str:
+  """The line for Ctrl-C: where the job was, and what ``--resume`` continues from."""
+  run, step, saved, out = (_PROGRESS.get(k) for k in ("run", "step", "saved", "out"))
+  where = f" at step {step} of {run}" if run is not None else " before its first run began"
+  if run is not None and step is None:
+    return f"gossipjax train: interrupted while restoring {run}; add --resume to the same command to continue"
+  if out is None or run is None:
+    then = "nothing to resume"
+  elif saved:
+    then = f"add --resume to the same command to continue {run} from its checkpoint at step {saved}"
+  elif _PROGRESS.get("checkpoint_every"):
+    then = f"add --resume to the same command to continue (from step 0: {run} had no checkpoint yet)"
+  else:
+    then = "no checkpoints were written (--checkpoint-every 0): a new job starts from step 0"
+  return f"gossipjax train: interrupted{where}; {then}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """``gossipjax``: a failure is one line on stderr and an exit status, 2 for bad usage, 1 while running.
+
+  From the command line (``argv`` not given), Ctrl-C is one line too, and the process ends
+  within seconds whatever it is doing (`gossipjax._interrupt`); called from Python, it
+  raises ``KeyboardInterrupt`` as usual.
+  """
+  from gossipjax._interrupt import Interruption
+
+  interruption = Interruption(_interrupted)
+  caught = argv is None and interruption.install()
   args = build_parser().parse_args(argv)
   if args.command == "train":
-    _request_cpu_devices(args)
+    from gossipjax.checkpoint import CorruptCheckpointError
+    from gossipjax.train._job import JobError, UsageError
+
     try:
+      _request_cpu_devices(args)
       train(args)
     except UsageError as e:
       _fail(e, 2)
     except (JobError, CorruptCheckpointError, OSError) as e:
       _fail(e, 1, getattr(args, "log_file", None))
+    except KeyboardInterrupt:
+      if not caught:
+        raise
+      interruption.exit()
 
 
 def _fail(error: Exception, status: int, log_file: str | None = None) -> None:

@@ -191,7 +191,9 @@ def _remove(path: pathlib.Path, successor: pathlib.Path | None = None) -> None:
   others = _others_files(path) if path.is_dir() and not path.is_symlink() else []
   if others:
     _delete(path)
-    for rel in others if successor is not None else []:
+    for rel in others:
+      if successor is None:
+        break
       target = successor / rel
       if not os.path.lexists(target):
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,8 @@
-"""kill -9 of ``gossipjax train`` at random moments around its checkpoint writes, then --resume.
+"""kill -9 and Ctrl-C of ``gossipjax train`` at random moments around its checkpoint writes, then --resume.
 
 The resumed job must end with the metrics of an uninterrupted run, every row exactly once.
+Ctrl-C (SIGINT to the process group, as a terminal sends it) must end the process within
+10 s with exit status 130 and one line that says how to continue.
 Every process runs under a timeout, so a hang fails the test instead of stalling CI.
 """
 
@@ -46,7 +48,7 @@ def _rows(out):
 
 
 @pytest.mark.slow
-def test_kill_9_around_checkpoint_writes_then_resume_equals_an_uninterrupted_run(tmp_path):
+def test_interrupts_around_checkpoint_writes_then_resume_equal_an_uninterrupted_run(tmp_path):
   # One compilation shared by every process (the test's time goes to the kills, not to XLA).
   env = environment(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -57,6 +59,7 @@ def test_kill_9_around_checkpoint_writes_then_resume_equals_an_uninterrupted_run
   # 100 steps: room for four kills after a resume even where a step takes a millisecond.
   killed = 0
   for attempt in range(4):
+    sig = (signal.SIGINT, signal.SIGKILL)[attempt % 2]  # Ctrl-C, then kill -9, in turn
     before = _mtime(history)
     proc = _start(out, *(["--resume"] if attempt else []), env=env)
     deadline = time.monotonic() + TIMEOUT
@@ -65,10 +68,19 @@ def test_kill_9_around_checkpoint_writes_then_resume_equals_an_uninterrupted_run
       time.sleep(0.002)
     time.sleep(rng.uniform(0.0, 0.4))
     if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
+      os.killpg(proc.pid, sig)
+      sent = time.monotonic()
       killed += 1
-    code, log = _finish(proc)
-    assert code in (0, -signal.SIGKILL), log[-4000:]
+      code, log = _finish(proc)
+      if sig == signal.SIGINT:
+        assert time.monotonic() - sent < 10, log[-4000:]
+        assert code == 130 and log.count("\n") == 1, log[-4000:]
+        assert log.startswith("gossipjax train: interrupted ") and "add --resume to the same command" in log, log
+      else:
+        assert code == -signal.SIGKILL, log[-4000:]
+    else:
+      code, log = _finish(proc)
+      assert code == 0, log[-4000:]
   code, log = _finish(_start(out, "--resume", env=env))
   assert code == 0, log[-4000:]
   code, log = _finish(straight)

@@ -1,0 +1,67 @@
+"""Ctrl-C of the command line: one line, an exit within seconds at any moment, a folder that resumes.
+
+Python runs its SIGINT handler in the main thread between bytecodes, so a main thread that
+waits inside XLA (a compiled chunk, a compile, orbax's writes) would not see Ctrl-C until the
+wait ends, and an interpreter that shuts down with orbax's threads alive prints their
+tracebacks or waits for them. So the command line blocks SIGINT in its threads and one
+thread of its own waits for it: it raises ``KeyboardInterrupt`` in the main thread (which
+unwinds, releasing the job's lock), and ends the process after a grace period, or at a
+second Ctrl-C, whatever the main thread is doing. What the job leaves is what a kill leaves:
+every save is atomic, so ``--resume`` continues exactly from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import sys
+import threading
+from typing import Callable
+
+#: The exit status of a process ended by Ctrl-C (128 + SIGINT, as a shell reports it).
+STATUS = 128 + int(signal.SIGINT)
+
+
+class Interruption:
+  """Ctrl-C for a command-line process: `install` once in the main thread, before any other thread starts.
+
+  Args:
+    message: called once to give the line to print (what was interrupted, and how to continue).
+    grace: seconds the main thread has to unwind before the process ends.
+  """
+
+  def __init__(self, message: Callable[[], str], grace: float = 3.0):
+    self._message, self._grace = message, grace
+    self._said = threading.Lock()
+
+  def install(self) -> bool:
+    """Blocks SIGINT in this thread and the threads it starts from now on, and starts the thread that waits for it.
+
+    Returns whether it did (not on a platform without ``pthread_sigmask``, nor outside the
+    main thread).
+    """
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+      return False
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    threading.Thread(target=self._wait, name="gossipjax-interrupt", daemon=True).start()
+    return True
+
+  def _wait(self) -> None:
+    signal.sigwait({signal.SIGINT})
+    _thread.interrupt_main()  # the main thread unwinds at its next bytecode, through its finally blocks
+    signal.sigtimedwait({signal.SIGINT}, self._grace)  # a second Ctrl-C ends it at once
+    self.exit()
+
+  def exit(self) -> None:
+    """Prints the line (once, whichever thread gets here first) and ends the process at once, threads and all."""
+    if self._said.acquire(blocking=False):
+      try:
+        line = self._message()
+      except Exception:  # the line must not fail the exit
+        line = "interrupted"
+      sys.stdout.flush()
+      sys.stderr.write(line + "\n")
+      sys.stderr.flush()
+      os._exit(STATUS)
+    threading.Event().wait()  # the other thread is printing and exiting
