@@ -358,7 +358,7 @@ def _make_backend(args: argparse.Namespace):
     from gossipjax.train._job import UsageError
 
     try:
-      return gj.backend.mpi(abort_on_error=True)  # a failing rank ends the job instead of hanging it
+      return gj.backend.mpi()  # a failing rank ends the job instead of hanging it (its default)
     except ImportError as e:
       raise UsageError(f"argument --backend: mpi: {e}") from None
   devices = jax.devices()

@@ -316,18 +316,20 @@ class Mpi:
     return vmap_nodes(fn, in_axes, expected, where)
 
 
-def mpi(comm: Any = None, *, abort_on_error: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mpi:
+def mpi(comm: Any = None, *, abort_on_error: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Mpi:
   """Nodes split over MPI ranks; launch with ``mpiexec -n K python script.py``.
 
   Rank r passes its own block of B = n / K nodes (leading axis B, e.g.
   ``x[backend.node_slice(n)]``); each gossip round is one ``mpi4jax.sendrecv`` per device
   offset, carrying only the rows the neighbour needs.
 
-  A rank that raises, or leaves early, leaves the others waiting in their next exchange
-  until a wall-clock limit ends the job. ``abort_on_error=True`` (or a call to
-  ``gj.backend.mpi_abort_on_error(comm)``) makes such a job end within seconds instead: it
-  hooks ``sys.excepthook`` and registers an ``atexit`` function, so it is opt-in. Scripts
-  meant for ``mpiexec`` should turn it on.
+  A rank that raises, or leaves early, would leave the others waiting in their next exchange
+  until a wall-clock limit ends the job; by default (``abort_on_error=True``, which calls
+  ``gj.backend.mpi_abort_on_error(comm)``) such a job ends within seconds instead, with a
+  line naming the rank. That hooks ``sys.excepthook`` and ``sys.exit`` and registers an
+  ``atexit`` function; on a communicator of one process it does nothing.
+  ``abort_on_error=False`` leaves the process's hooks alone (a program with exit handling
+  of its own).
 
   For messages of more than a few hundred KiB, launch with ``gj.backend.mpi_launch_env``
   set (``$(python -c "import gossipjax as gj; print(gj.backend.mpi_launch_prefix())") mpiexec -n 4
@@ -336,8 +338,9 @@ def mpi(comm: Any = None, *, abort_on_error: bool = False, bucket_bytes: int = D
 
   Args:
     comm: an ``mpi4py`` communicator; ``None`` uses a clone of ``COMM_WORLD``.
-    abort_on_error: install `mpi_abort_on_error` on this communicator: an uncaught
-      exception on one rank, or its exit while the others still run, aborts every rank.
+    abort_on_error: install `mpi_abort_on_error` on this communicator (the default): an
+      uncaught exception on one rank, or its exit while the others still run, aborts every
+      rank. ``False``: a failing rank leaves the others waiting.
     bucket_bytes: the most bytes of one node's leaves packed into one message (the leaves
       of each dtype are concatenated up to this size; default 25 MiB, PyTorch DDP's bucket size).
 

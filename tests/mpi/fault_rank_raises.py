@@ -3,7 +3,7 @@
 Usage: mpiexec -n 4 python fault_rank_raises.py {mpi4py,mpi4jax,gossip,kill}
   mpi4py:  the others wait in ``comm.allreduce`` (mpi4py), rank 2 raises (gj.backend.mpi_abort_on_error installed).
   mpi4jax: the others wait in a jitted ``mpi4jax.allreduce``, rank 2 raises (gj.backend.mpi_abort_on_error installed).
-  gossip:  the others take two gossip_sgd steps on ``gj.backend.mpi(abort_on_error=True)`` (which installs the hook
+  gossip:  the others take two gossip_sgd steps on the default ``gj.backend.mpi()`` (which installs the hook
            itself), rank 2 raises instead.
   kill:    rank 2 is killed by SIGKILL (no Python hook runs); mpiexec must end the job.
 """
@@ -23,7 +23,7 @@ if mode != "kill":
   import gossipjax as gj
 
   if mode == "gossip":
-    backend = gj.backend.mpi(abort_on_error=True)  # on every rank (cloning the communicator is collective)
+    backend = gj.backend.mpi()  # on every rank (cloning the communicator is collective); aborts on error by default
   else:
     gj.backend.mpi_abort_on_error()
 
