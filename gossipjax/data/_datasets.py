@@ -16,11 +16,14 @@ class Dataset(NamedTuple):
   """A labelled data set, split into training and test parts (what the ``load_*`` functions return).
 
   Attributes:
-    x_train: float32 training inputs, (N, ...) with the sample axis first.
-    y_train: int32 training labels, (N,).
-    x_test: float32 test inputs, (M, ...).
-    y_test: int32 test labels, (M,).
-    num_classes: how many classes the labels range over (labels are 0 .. num_classes - 1).
+    x_train: training inputs, (N, ...) with the sample axis first: float32 images, or int32 (N, T) windows
+      of tokens for text.
+    y_train: int32 training labels, (N,), or for text int32 (N, T) next tokens.
+    x_test: test inputs, (M, ...), as ``x_train``.
+    y_test: int32 test labels, (M,), or for text (M, T).
+    num_classes: how many classes the labels range over (labels are 0 .. num_classes - 1); 256 for bytes.
+    sources: for text, int32 (N,): where each training window comes from, an index into
+      `gj.data.text_sources`'s sorted names (for `partition_by_source`); ``None`` for the other sets.
   """
 
   x_train: np.ndarray
@@ -28,6 +31,7 @@ class Dataset(NamedTuple):
   x_test: np.ndarray
   y_test: np.ndarray
   num_classes: int
+  sources: np.ndarray | None = None
 
 
 def load_digits(test_fraction: float = 0.25, seed: int = 0, flat: bool = True) -> Dataset:
@@ -192,8 +196,9 @@ def load_mnist(data_dir: str) -> Dataset:
       raise ValueError(f"gj.data.load_mnist: {images_path} holds {len(images)} images but {labels_path} "
                        f"{len(labels)} labels")
     _check_labels(labels_path, len(images), labels, "gj.data.load_mnist")
-    splits += [images.astype(np.float32)[..., None] / 255.0, labels.astype(np.int32)]
-  return Dataset._make([*splits, 10])
+    splits.append((images.astype(np.float32)[..., None] / 255.0, labels.astype(np.int32)))
+  (x_train, y_train), (x_test, y_test) = splits
+  return Dataset(x_train, y_train, x_test, y_test, 10)
 
 
 def _idx_array(path: str, raw: bytes, ndim: int) -> np.ndarray:

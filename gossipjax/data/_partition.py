@@ -1,4 +1,4 @@
-"""Splitting a data set over nodes: iid, Dirichlet label skew, a few classes per node."""
+"""Splitting a data set over nodes: iid, Dirichlet label skew, a few classes per node, whole sources per node."""
 
 from __future__ import annotations
 
@@ -188,3 +188,66 @@ def partition_by_class(labels: np.ndarray, num_nodes: int, classes_per_node: int
       for node, chunk in zip(nodes, np.array_split(np.flatnonzero(labels == c), len(nodes))):
         parts[node].extend(chunk.tolist())
   return _finish([np.array(p) for p in parts], "partition_by_class")
+
+
+def partition_by_source(sources: np.ndarray, num_nodes: int, seed: int = 0) -> list[np.ndarray]:
+  """Each node holds the samples of whole sources (a text's packages or files), balanced by sample count.
+
+  The data held in different places: a source's samples stay on one node. Sources are dealt greedily, the
+  largest first, each to the node with the fewest samples so far; sources of equal size are taken, and
+  nodes of equal load chosen, in an order drawn from ``seed``. The most loaded node then holds at most one
+  source's worth (the largest) more than the least loaded one. With fewer sources than nodes, the largest
+  sources are first cut into contiguous pieces (runs of their samples in data-set order): one cut at a time,
+  each to the source with the most samples per piece, until there is one piece per node; each node then
+  holds one piece, none shared. For text, a window's source is ``Dataset.sources``; an iid split instead is
+  ``partition_iid(np.arange(len(sources)), num_nodes)``.
+
+  Args:
+    sources: (N,) integer source id of each sample.
+    num_nodes: how many nodes to split over; at most N.
+    seed: seed of the tie-breaks.
+
+  Returns:
+    A list of ``num_nodes`` sorted int64 index arrays into the data set, disjoint, covering it, none empty.
+
+  Raises:
+    ValueError: ``sources`` is not 1-D or holds a non-integer id, or ``num_nodes`` is not a positive
+      integer up to N.
+
+  Example:
+    Four sources of 5, 3, 2 and 2 samples over 2 nodes, then over 6 (the largest two cut in pieces):
+
+    >>> import numpy as np, gossipjax as gj
+    >>> sources = np.repeat([0, 1, 2, 3], [5, 3, 2, 2])
+    >>> parts = gj.data.partition_by_source(sources, num_nodes=2)
+    >>> [np.unique(sources[p]).tolist() for p in parts], [len(p) for p in parts]
+    ([[1, 2], [0, 3]], [5, 7])
+    >>> sorted(np.unique(sources[p]).tolist() for p in gj.data.partition_by_source(sources, num_nodes=6))
+    [[0], [0], [1], [1], [2], [3]]
+  """
+  name = "gj.data.partition_by_source"
+  sources = _class_labels(_check(sources, num_nodes, name), name)
+  ids, counts = np.unique(sources, return_counts=True)
+  groups = np.split(np.argsort(sources, kind="stable"), np.cumsum(counts)[:-1])  # each source's samples, in order
+  pieces = np.ones(len(ids), np.int64)
+  # One more piece to the source with the most samples per piece: it always has more samples than pieces,
+  # since the pieces are fewer than the samples, so no piece is empty.
+  heap = [(-int(c), i) for i, c in enumerate(counts)]
+  heapq.heapify(heap)
+  for _ in range(num_nodes - len(ids)):
+    _, i = heapq.heappop(heap)
+    pieces[i] += 1
+    heapq.heappush(heap, (-counts[i] / pieces[i], i))
+  chunks = [chunk for group, k in zip(groups, pieces) for chunk in np.array_split(group, k)]
+  rng = np.random.default_rng(seed)
+  order = rng.permutation(len(chunks))
+  order = order[np.argsort([-len(chunks[i]) for i in order], kind="stable")]  # largest first, equal ones seeded
+  rank = rng.permutation(num_nodes)
+  loads = [(0, int(rank[node]), node) for node in range(num_nodes)]
+  heapq.heapify(loads)
+  parts: list[list[np.ndarray]] = [[] for _ in range(num_nodes)]
+  for i in order:
+    load, r, node = heapq.heappop(loads)
+    parts[node].append(chunks[i])
+    heapq.heappush(loads, (load + len(chunks[i]), r, node))
+  return _finish([np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts], "partition_by_source")

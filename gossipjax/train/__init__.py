@@ -10,13 +10,14 @@ require_train_extra("gossipjax.train")  # one message naming the extra, not the 
 
 from gossipjax.train._loop import (  # noqa: E402
     RunConfig, TrainState, accuracy, cross_entropy, guarded, init_state, run, timed_run)
-from gossipjax.train._models import CNN, MLP  # noqa: E402
+from gossipjax.train._models import CNN, GPT, MLP  # noqa: E402
 from gossipjax.train._registry import ALGORITHMS, TOPOLOGIES, make_algorithm, make_topology  # noqa: E402
 from gossipjax.train._report import plot, result_table, write_metrics  # noqa: E402
 
 __all__ = (
     "ALGORITHMS",
     "CNN",
+    "GPT",
     "MLP",
     "RunConfig",
     "TOPOLOGIES",
