@@ -73,6 +73,20 @@ def _real(what: str, low: float, high: float = float("inf"), low_open: bool = Fa
   return parse
 
 
+_NETWORKS = ("infiniband", "datacenter", "regional", "cross_region", "internet")
+
+
+def _network_spec(text: str) -> str:
+  """A --network value that `gossipjax.network` reads (the spec itself is kept: plain values, for job.json)."""
+  from gossipjax.backend._network import network
+
+  try:
+    network(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  return text
+
+
 # What must match between a checkpointed job and a --resume of it: the runs, and what each run computes.
 # Where the runs go when no --out is given: a fresh folder per run, so a repeated command never meets its past.
 DEFAULT_ROOT = os.path.join("runs", "train")
@@ -80,7 +94,8 @@ DEFAULT_ROOT = os.path.join("runs", "train")
 RESUME_OPTIONS = ("algorithms", "topologies", "nodes", "lr", "beta", "seed", "batch_size", "partition", "alpha",
                   "model", "log_every", "backend", "compressor", "compress_fraction", "consensus_step", "average_every",
                   "inner_steps", "outer_lr", "outer_momentum", "inner_lr", "fragments", "overlap", "mixing",
-                  "fragment_split")
+                  "fragment_split", "text", "context", "layers", "width", "heads", "compute_dtype", "network",
+                  "step_time")
 
 
 DEFAULT_TOPOLOGIES = ("ring", "exponential", "symmetric_exponential")
@@ -96,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = _Parser(prog="gossipjax", description=__doc__)
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-  t = sub.add_parser("train", help="train a model on the bundled handwritten digits with n decentralized nodes",
+  t = sub.add_parser("train", help="train a model (a classifier of the bundled handwritten digits, or a GPT on text "
+                                    "every Python ships) with n decentralized nodes",
                      formatter_class=_HelpFormatter)
   t.add_argument("--backend", choices=["simulate", "sharded", "mpi"], default="simulate",
                  help="where the nodes live: all on one device, split over this host's devices "
@@ -109,7 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
                  help="sharded: devices that make one node (a node's batch is split over them and its "
                       "gradient averaged inside it; only nodes gossip): --devices / this many nodes are spread "
                       "over the devices")
-  t.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="an MLP with one hidden layer, or a small CNN")
+  t.add_argument("--model", choices=["mlp", "cnn", "gpt"], default="mlp",
+                 help="an MLP with one hidden layer or a small CNN on the bundled digits, or a byte-level GPT "
+                      "(gossipjax.train.GPT) on text: the Python standard library's own source files unless --text")
+  t.add_argument("--text", default=None,
+                 help="gpt: a text file or a folder of them to train on instead (split into train and test parts "
+                      "as gossipjax.data.load_text says; a folder's top-level entries are its sources)")
+  t.add_argument("--context", type=_integer(2, "an integer of at least 2"), default=64,
+                 help="gpt: tokens (bytes) per training window, and the model's context")
+  t.add_argument("--layers", type=_integer(1, "a positive integer"), default=2, help="gpt: transformer blocks")
+  t.add_argument("--width", type=_integer(1, "a positive integer"), default=64,
+                 help="gpt: the residual width, a multiple of --heads")
+  t.add_argument("--heads", type=_integer(1, "a positive integer"), default=4, help="gpt: attention heads")
+  t.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
+                 help="gpt: the dtype its matrix products compute in (params stay float32)")
   t.add_argument("--algorithms", type=_names("algorithm", tuple(ALGORITHMS)),
                  default=["allreduce", "dpsgd", "dmsgd", "decentlam"], help=f"comma-separated, from: {', '.join(ALGORITHMS)}")
   t.add_argument("--topologies", type=_names("topology", tuple(TOPOLOGIES)), default=None,
@@ -154,8 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--mixing", type=_real("a number in [0, 1]", 0.0, 1.0, high_open=False), default=0.5,
                  help="streaming_diloco: alpha, the weight of a node's own params when a fragment's outer result "
                       "is merged in (0: take the result, as diloco does)")
-  t.add_argument("--partition", choices=["iid", "dirichlet", "by_class"], default="dirichlet",
-                 help="how the training set is split over the nodes")
+  t.add_argument("--partition", choices=["iid", "dirichlet", "by_class", "by_source"], default=None,
+                 help="how the training set is split over the nodes: digits by label skew (iid, dirichlet, by_class; "
+                      "default dirichlet), text iid or by_source, each node reading files of its own "
+                      "(gossipjax.data.partition_by_source; the default for gpt)")
   t.add_argument("--alpha", type=_real("a finite number > 0", 0.0, low_open=True), default=0.5,
                  help="Dirichlet label-skew concentration")
   t.add_argument("--log-every", type=_integer(1, "a positive integer"), default=None,
@@ -176,9 +207,17 @@ def build_parser() -> argparse.ArgumentParser:
                  help="a new job into an --out that holds another job's files: remove what that job recorded "
                       "writing first, nothing else")
   t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-  t.add_argument("--x-axis", choices=["step", "bytes"], default="step",
-                 help="plot.png against the step, or against the MB each node has sent (every metrics row's "
-                      "bytes_sent: compact messages as sent, an all-reduce counted as a ring all-reduce sends it)")
+  t.add_argument("--x-axis", choices=["step", "bytes", "time"], default="step",
+                 help="plot.png against the step, the MB each node has sent (every metrics row's bytes_sent: compact "
+                      "messages as sent, an all-reduce counted as a ring all-reduce sends it; log scale), or the "
+                      "simulated wall clock of a synchronous run on --network (sim_seconds; log scale)")
+  t.add_argument("--network", type=_network_spec, default="datacenter",
+                 help="the cluster whose wall clock every row's sim_seconds simulates: a preset "
+                      f"({', '.join(_NETWORKS)}; gossipjax.NETWORKS gives their figures and sources) or "
+                      "BANDWIDTH,LATENCY, e.g. 1Gbit,50ms")
+  t.add_argument("--step-time", type=_real("a finite number >= 0", 0.0), default=None,
+                 help="seconds of compute one step takes on one node of that cluster, e.g. 0.35 (default: measured "
+                      "here, each chunk's compiled time over its steps and over the nodes this process computes)")
   t.add_argument("--checkpoint-every", type=_integer(0, "a non-negative integer"), default=0,
                  help="save each run's full state in OUT/checkpoints every this many steps (a multiple of "
                       "each run's --log-every), for --resume; 0: never")
@@ -198,6 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(args: argparse.Namespace) -> None:
   """Checks between options; errors go through the parser (one line, exit status 2)."""
   fail = args.parser.error
+  text_model = args.model == "gpt"
+  if args.partition is None:
+    args.partition = "by_source" if text_model else "dirichlet"
+  if text_model and args.partition not in ("iid", "by_source"):
+    fail(f"argument --partition: {args.partition} splits by class label; a text corpus takes iid or by_source")
+  if not text_model and args.partition == "by_source":
+    fail(f"argument --partition: by_source splits a text corpus by file; the {args.model} trains on the digits "
+         "(iid, dirichlet or by_class)")
+  if args.text is not None and not text_model:
+    fail(f"argument --text: only --model gpt trains on text, not --model {args.model}")
+  if text_model and args.width % args.heads:
+    fail(f"argument --heads: {args.heads} does not divide --width {args.width}")
   args.topologies_given = args.topologies is not None
   if args.topologies is None:
     args.topologies = list(DEFAULT_TOPOLOGIES)
@@ -383,7 +434,6 @@ def train(args: argparse.Namespace) -> dict:
     JobError: a failure while it runs (status 1).
   """
   from gossipjax.backend import Mpi
-  from gossipjax.data import load_digits
   from gossipjax.train._job import LOG, JobLog, OutputFolder, fresh_folder
   from gossipjax.train._placement import Placement
 
@@ -395,10 +445,12 @@ def train(args: argparse.Namespace) -> dict:
   except ValueError as e:
     parser.error(f"argument --nodes: {e}")
   comm = backend.comm if isinstance(backend, Mpi) else None
-  dataset = load_digits(seed=args.seed)
+  dataset = _load_dataset(args)
   if args.nodes > len(dataset.y_train):
-    parser.error(f"argument --nodes: {args.nodes} nodes, but the digits' training set has "
-                 f"{len(dataset.y_train)} samples; every node needs one (use at most {len(dataset.y_train)})")
+    what = "digits' training set has" if args.model != "gpt" else "text's training part has"
+    unit = "samples" if args.model != "gpt" else f"windows of {args.context + 1} bytes"
+    parser.error(f"argument --nodes: {args.nodes} nodes, but the {what} {len(dataset.y_train)} {unit}; every "
+                 f"node needs one (use at most {len(dataset.y_train)})")
   _check_fragments(args, dataset)
   fresh = args.out is None
   if fresh:
@@ -447,7 +499,8 @@ def _build_runs(args: argparse.Namespace, backend):
                             seed=args.seed, log_every=_run_log_every(args.log_every, alg, args.inner_steps),
                             max_bad_steps=args.max_bad_steps,
                             model=args.model, backend=args.backend,
-                            outer_momentum=_outer_momentum(args, alg) if outer else None))
+                            outer_momentum=_outer_momentum(args, alg) if outer else None,
+                            network=args.network, step_time=args.step_time))
   txs, skipped = [], {}
   options = AlgorithmOptions(args.compressor, args.compress_fraction, args.consensus_step, args.average_every,
                              args.inner_steps, args.outer_lr, args.outer_momentum, args.fragments, args.overlap,
@@ -491,9 +544,35 @@ def _outer_momentum(args: argparse.Namespace, alg: str) -> float:
   return 0.5 if alg == "noloco" else 0.9
 
 
-def _make_model(args: argparse.Namespace, dataset):
-  from gossipjax.train import CNN, MLP
+def _load_dataset(args: argparse.Namespace) -> Any:
+  """The digits, or for the gpt the text of --text (default: the Python standard library's sources)."""
+  from gossipjax.data import load_digits, load_python_stdlib, load_text
 
+  if args.model != "gpt":
+    return load_digits(seed=args.seed)
+  if args.text is None:
+    return load_python_stdlib(context=args.context)
+  try:
+    return load_text(args.text, context=args.context)
+  except (OSError, ValueError) as e:
+    parser: argparse.ArgumentParser = args.parser
+    parser.error(f"argument --text: {e}")
+
+
+def _data_name(args: argparse.Namespace) -> str:
+  if args.model != "gpt":
+    return "digits"
+  return os.path.basename(os.path.normpath(args.text)) if args.text else "the Python standard library's source"
+
+
+def _make_model(args: argparse.Namespace, dataset):
+  import jax.numpy as jnp
+
+  from gossipjax.train import CNN, GPT, MLP
+
+  if args.model == "gpt":
+    return GPT(vocab_size=dataset.num_classes, context=args.context, num_layers=args.layers, width=args.width,
+               num_heads=args.heads, dtype=jnp.bfloat16 if args.compute_dtype == "bfloat16" else jnp.float32)
   if args.model == "cnn":
     return CNN(num_classes=dataset.num_classes, image_shape=(8, 8, 1))
   return MLP(hidden=(64,), num_classes=dataset.num_classes)
@@ -558,7 +637,8 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
         _, history, seconds = timed_run(cfg, dataset, model, tx, progress=bar.update, state=state or fresh,
                                         on_chunk=functools.partial(on_chunk, ckpt, previous),
                                         backend=backend,
-                                        sent_before=previous[-1].get("bytes_sent", 0.0) if previous else 0.0)
+                                        sent_before=previous[-1].get("bytes_sent", 0.0) if previous else 0.0,
+                                        seconds_before=previous[-1].get("sim_seconds", 0.0) if previous else 0.0)
       except FloatingPointError as e:
         error = JobError(f"{cfg.name}: {e}; try a smaller --lr")
         error.quiet = comm is not None and not placement.is_main  # every rank raises it together
@@ -580,7 +660,8 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
   where = (f"{args.backend} on {devices} {placement.unit}" if devices > 1 else args.backend)
   if args.devices_per_node > 1:
     where += f", {args.devices_per_node} a node"
-  title = f"{args.nodes} nodes, {args.model} on digits, {args.partition} partition, {where} ({jax.default_backend()})"
+  title = (f"{args.nodes} nodes, {args.model} on {_data_name(args)}, {args.partition} partition, {where} "
+           f"({jax.default_backend()})" + (f", time on {args.network}" if args.x_axis == "time" else ""))
   folder.write_results({
       "metrics.json": lambda path: write_metrics(path, {**config, "skipped": skipped}, results),
       "plot.png": lambda path: plot(path, results, title=title, x=args.x_axis)})

@@ -80,7 +80,7 @@ NETWORKS: dict[str, Network] = {
     "datacenter": Network(bandwidth=100e9 / 8, latency=10e-6),
     "regional": Network(bandwidth=1.12e9 / 8, latency=0.011),
     "cross_region": Network(bandwidth=0.79e9 / 8, latency=0.067),
-    "world": Network(bandwidth=0.328e9 / 8, latency=0.265),
+    "internet": Network(bandwidth=0.328e9 / 8, latency=0.265),
 }
 
 _PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
@@ -109,8 +109,8 @@ def network(spec: str, parallel: bool = True) -> Network:
   * ``"regional"``: 1.12 Gbit/s, 11 ms. AWS Virginia to Ohio, as Yuan et al. (2022)
     measured it for their regional scenarios.
   * ``"cross_region"``: 0.79 Gbit/s, 67 ms. AWS Oregon to Virginia (Yuan et al. 2022).
-  * ``"world"``: 0.328 Gbit/s, 265 ms. AWS Sydney to Frankfurt, the slowest pair of the
-    world-wide scenario of Yuan et al. (2022).
+  * ``"internet"``: 0.328 Gbit/s, 265 ms. Across the world: AWS Sydney to Frankfurt, the
+    slowest pair of the world-wide scenario of Yuan et al. (2022).
 
   Args:
     spec: a preset's name, or ``"BANDWIDTH,LATENCY"`` such as ``"10Gbit,5ms"``.

@@ -15,10 +15,12 @@ import optax
 from jax import lax
 
 from gossipjax.backend import Backend, simulate
+from gossipjax.backend._network import network as parse_network, simulated_seconds
 from gossipjax.backend._traffic import Traffic, counting
 from gossipjax._guard import check_guard, guard_finite, nonfinite_counts
 from gossipjax._stacked import check_finite, consensus_distance, init_nodes, node_mean
-from gossipjax.data import Dataset, node_data, partition_by_class, partition_dirichlet, partition_iid, sample_batches
+from gossipjax.data import (
+    Dataset, node_data, partition_by_class, partition_by_source, partition_dirichlet, partition_iid, sample_batches)
 from gossipjax.train._placement import Placement
 
 
@@ -37,8 +39,9 @@ class RunConfig:
     learning_rate: the step size gamma (DiLoCo's and NoLoCo's inner AdamW's).
     beta: the momentum of the algorithms that take one (DiLoCo's and NoLoCo's inner b1).
     partition: how the training set is split over nodes: ``"iid"``, ``"dirichlet"``
-      (`gossipjax.data.partition_dirichlet` with ``alpha``) or ``"by_class"``
-      (`gossipjax.data.partition_by_class` with ``classes_per_node``).
+      (`gossipjax.data.partition_dirichlet` with ``alpha``), ``"by_class"``
+      (`gossipjax.data.partition_by_class` with ``classes_per_node``), or, for text,
+      ``"by_source"`` (`gossipjax.data.partition_by_source`: each node reads its own files).
     alpha: the Dirichlet concentration of the ``"dirichlet"`` partition.
     classes_per_node: the classes per node of the ``"by_class"`` partition.
     hidden: the hidden widths of the ``"mlp"`` model.
@@ -46,10 +49,15 @@ class RunConfig:
     log_every: steps per jitted chunk; one metrics row per chunk, and one at ``steps``.
     max_bad_steps: a node whose gradient is NaN/inf this many steps in a row stops the
       run (0: never).
-    model: ``"mlp"`` or ``"cnn"``, as the main job names them.
+    model: ``"mlp"``, ``"cnn"`` or ``"gpt"``, as the main job names them.
     backend: ``"simulate"``, ``"sharded"`` or ``"mpi"``, as the main job names them.
     outer_momentum: DiLoCo's and NoLoCo's outer momentum, for the record and the legend;
       ``None`` for the other algorithms.
+    network: the links of the simulated cluster whose wall clock the rows' ``sim_seconds``
+      give: a name in `gossipjax.NETWORKS` or ``"BANDWIDTH,LATENCY"`` (`gossipjax.network`).
+    step_time: the compute seconds of one step on one node in that cluster (an H100's, say);
+      ``None`` measures it here: each chunk's compiled run over its steps and over the nodes
+      this process computes (each node of the cluster computes alone on a device of its own).
 
   Example:
     >>> from gossipjax import train
@@ -75,6 +83,8 @@ class RunConfig:
   model: str = "mlp"  # mlp | cnn, as the main job names them
   backend: str = "simulate"  # simulate | sharded | mpi, as the main job names them
   outer_momentum: float | None = None  # diloco, noloco: the outer momentum (their beta is the inner AdamW's b1)
+  network: str = "datacenter"  # the simulated cluster's links, for sim_seconds
+  step_time: float | None = None  # one node's compute seconds a step there; None: measured here
 
   @property
   def name(self) -> str:
@@ -82,14 +92,29 @@ class RunConfig:
     return self.algorithm if self.topology is None else f"{self.algorithm}/{self.topology}"
 
 
-def partition(labels: np.ndarray, cfg: RunConfig) -> list[np.ndarray]:
+def is_sequence(dataset: Dataset) -> bool:
+  """Whether the data set is token windows with next-token targets (a language model's), not labelled samples."""
+  return np.ndim(dataset.y_train) == 2 and np.issubdtype(np.asarray(dataset.y_train).dtype, np.integer)
+
+
+def partition(dataset: Dataset, cfg: RunConfig) -> list[np.ndarray]:
+  """Each node's training samples (indices into ``dataset.x_train``), as ``cfg.partition`` splits them."""
+  labels = dataset.y_train
+  if cfg.partition == "by_source":
+    if dataset.sources is None:
+      raise ValueError("partition by_source needs a data set whose samples name their source (a text corpus)")
+    return partition_by_source(dataset.sources, cfg.num_nodes, cfg.seed)
+  if is_sequence(dataset):
+    if cfg.partition != "iid":
+      raise ValueError(f"partition {cfg.partition!r} splits by class label; a text corpus takes iid or by_source")
+    return partition_iid(np.arange(len(labels)), cfg.num_nodes, cfg.seed)
   if cfg.partition == "iid":
     return partition_iid(labels, cfg.num_nodes, cfg.seed)
   if cfg.partition == "dirichlet":
     return partition_dirichlet(labels, cfg.num_nodes, cfg.alpha, cfg.seed)
   if cfg.partition == "by_class":
     return partition_by_class(labels, cfg.num_nodes, cfg.classes_per_node, cfg.seed)
-  raise ValueError(f"unknown partition {cfg.partition!r}; choose iid, dirichlet or by_class")
+  raise ValueError(f"unknown partition {cfg.partition!r}; choose iid, dirichlet, by_class or by_source")
 
 
 def cross_entropy(apply_fn: Callable, params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -233,8 +258,27 @@ def _evaluate_fn(model: Any, params: Any, node_losses: jax.Array, x_test: jax.Ar
   }
 
 
+def _evaluate_sequence_fn(model: Any, params: Any, node_losses: jax.Array, x_test: jax.Array,
+                          y_test: jax.Array) -> dict:
+  """A language model's: the mean model's test loss (nats a token) and bits per token, and each node's test loss."""
+  mean = node_mean(params)
+  node_loss = jax.vmap(lambda p: cross_entropy(model.apply, p, x_test, y_test))(params)
+  test_loss = cross_entropy(model.apply, mean, x_test, y_test)
+  return {
+      "train_loss": jnp.mean(node_losses),
+      "consensus_distance": consensus_distance(params),
+      "test_loss": test_loss,
+      "test_bits_per_token": test_loss / jnp.log(2.0),
+      "test_accuracy": accuracy(model.apply, mean, x_test, y_test),
+      "node_test_loss_mean": jnp.mean(node_loss),
+      "node_test_loss_max": jnp.max(node_loss),
+      "node_test_loss": node_loss,
+  }
+
+
 # One program per model and shapes, which the runs of a job share (a closure per run compiled it for each run).
 _evaluate = jax.jit(_evaluate_fn, static_argnums=0)
+_evaluate_sequence = jax.jit(_evaluate_sequence_fn, static_argnums=0)
 
 
 def run(
@@ -247,7 +291,8 @@ def run(
     on_chunk: Callable[[TrainState, list[dict[str, float]]], None] | None = None,
     backend: Backend | None = None,
     sent_before: float = 0.0,
-) -> tuple[TrainState, list[dict[str, float]]]:
+    seconds_before: float = 0.0,
+) -> tuple[TrainState, list[dict[str, Any]]]:
   """Trains ``cfg.num_nodes`` stacked copies of ``model`` with ``tx`` and logs metrics.
 
   The minibatch of step k is drawn from ``fold_in(key, k)`` for all n nodes, so the data
@@ -272,6 +317,8 @@ def run(
       metrics are of all n nodes on every backend.
     sent_before: the bytes each node had sent before ``state`` (a resumed run's last row's
       ``bytes_sent``).
+    seconds_before: the simulated seconds before ``state`` (a resumed run's last row's
+      ``sim_seconds``).
 
   Returns:
     The final state (this process's nodes) and one metrics row per ``cfg.log_every`` steps
@@ -281,7 +328,15 @@ def run(
     ``node_accuracy_min`` over the nodes' own models, ``skipped_node_steps``, and
     ``bytes_sent``: the bytes each node has sent since step 0, on average over the nodes, as
     `gj.bytes_per_step` counts them (compact messages as sent, an all-reduce as a ring
-    all-reduce sends it; the same on every backend, of this rank's nodes under MPI).
+    all-reduce sends it; the same on every backend, of this rank's nodes under MPI);
+    ``sim_seconds``, the simulated wall clock since step 0 of a synchronous run on the cluster
+    ``cfg.network`` with ``cfg.step_time`` of compute a step (`gj.simulated_seconds` of the
+    chunks' exchanges; under MPI the slowest rank's), and ``step_time``, the compute seconds
+    a step that went into it. For a language model (token windows with next-token targets)
+    the rows also hold ``tokens_per_second`` (this machine's, all nodes' tokens over the
+    compiled chunks' time), ``test_bits_per_token`` of the mean model, and each node's test
+    loss: ``node_test_loss`` (a list), its mean and its max; ``test_accuracy`` is then the
+    mean model's next-token accuracy.
 
   Raises:
     FloatingPointError: a node skipped ``cfg.max_bad_steps`` steps in a row, or the
@@ -303,7 +358,8 @@ def run(
   backend = backend or simulate()
   placement = Placement(backend, cfg.num_nodes)
   key = jax.random.key(cfg.seed)
-  data = node_data(dataset.x_train, dataset.y_train, partition(dataset.y_train, cfg))
+  data = node_data(dataset.x_train, dataset.y_train, partition(dataset, cfg))
+  links = parse_network(cfg.network)
   x_test, y_test = jnp.asarray(dataset.x_test), jnp.asarray(dataset.y_test)
   if state is None:
     state = init_state(cfg, dataset, model, tx, backend)
@@ -323,19 +379,32 @@ def run(
     (params, opt_state), losses = lax.scan(one_step, (params, opt_state), start + jnp.arange(length))
     return params, opt_state, jnp.mean(losses, axis=0)  # each node's mean training loss over the chunk
 
+  sequence = is_sequence(dataset)
   if isinstance(model, Hashable):  # flax modules are: equal modules share the compiled evaluation
-    evaluate = functools.partial(_evaluate, model, x_test=x_test, y_test=y_test)
+    evaluate = functools.partial(_evaluate_sequence if sequence else _evaluate, model, x_test=x_test, y_test=y_test)
   else:
-    evaluate = jax.jit(functools.partial(_evaluate_fn, model, x_test=x_test, y_test=y_test))
+    evaluate = jax.jit(functools.partial(_evaluate_sequence_fn if sequence else _evaluate_fn, model, x_test=x_test,
+                                         y_test=y_test))
+  compiled: dict[int, Any] = {}  # each chunk length's program, compiled ahead so that its run can be timed alone
 
-  history = []
+  history: list[dict[str, Any]] = []
   params, opt_state, step = state.params, state.opt_state, state.step
   traffic = Traffic()
   local_nodes = next((jnp.shape(x)[0] for x in jax.tree.leaves(params) if jnp.ndim(x)), 1)
+  tokens_per_step = local_nodes * cfg.batch_size * int(np.shape(dataset.x_train)[1]) if sequence else 0
+  sim_seconds = seconds_before
   while step < cfg.steps:
     length = min(cfg.log_every, cfg.steps - step)  # the last chunk ends at cfg.steps
+    start = jnp.asarray(step, jnp.int32)
     with counting(traffic):  # the chunk, traced here, counts the bytes its exchanges send as it runs
-      params, opt_state, node_losses = chunk(params, opt_state, jnp.asarray(step, jnp.int32), length)
+      if length not in compiled:
+        compiled[length] = chunk.lower(params, opt_state, start, length).compile()
+      began = time.perf_counter()
+      params, opt_state, node_losses = jax.block_until_ready(compiled[length](params, opt_state, start))
+      took = time.perf_counter() - began
+    jax.effects_barrier()
+    step_time = cfg.step_time if cfg.step_time is not None else took / length / local_nodes
+    sim_seconds += placement.maximum(simulated_seconds(traffic.drain(), links, step_time, length))
     step += length
     placement.check_together(check_guard, opt_state, step, placement.first_node)
     all_params = placement.gather(params)
@@ -343,8 +412,13 @@ def run(
     metrics = evaluate(all_params, placement.gather(node_losses))
     skipped = placement.total(nonfinite_counts(opt_state).sum())
     jax.effects_barrier()
-    history.append({"step": step, **{k: float(v) for k, v in metrics.items()}, "skipped_node_steps": skipped,
-                    "bytes_sent": sent_before + traffic.total / local_nodes})
+    row: dict[str, Any] = {"step": step, **{k: float(v) for k, v in metrics.items() if jnp.ndim(v) == 0},
+                           "skipped_node_steps": skipped, "bytes_sent": sent_before + traffic.total / local_nodes,
+                           "sim_seconds": sim_seconds, "step_time": step_time}
+    if sequence:
+      row["node_test_loss"] = [float(v) for v in metrics["node_test_loss"]]
+      row["tokens_per_second"] = placement.total(round(tokens_per_step * length / took))
+    history.append(row)
     state = TrainState(step, params, opt_state)
     if on_chunk is not None:
       on_chunk(state, history)

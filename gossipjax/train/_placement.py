@@ -124,6 +124,12 @@ class Placement:
       return int(self._offered("comm").allreduce(int(value)))
     return int(value)
 
+  def maximum(self, value: float) -> float:
+    """The largest ``value`` of every process (under MPI, of every rank; else ``value``)."""
+    if self._ranks:
+      return float(self._offered("comm").allreduce(float(value), op=_mpi_max()))
+    return float(value)
+
   def check_together(self, check: Any, *args: Any) -> None:
     """Runs a host-side check on every process; if it raises on any, it raises on all (no rank waits alone)."""
     error = None
@@ -136,3 +142,9 @@ class Placement:
       error = errors[0] if errors else None
     if error is not None:
       raise FloatingPointError(error)
+
+
+def _mpi_max() -> Any:
+  from mpi4py import MPI
+
+  return MPI.MAX

@@ -10,6 +10,10 @@ from typing import Any
 def result_table(results: dict[str, dict[str, Any]]) -> str:
   """A markdown table: one row per run, final metrics.
 
+  A language model's runs (rows with ``test_bits_per_token``) report the test loss of the
+  mean model in nats and bits a token, the nodes' own test losses (mean and worst), the
+  tokens per second and the simulated seconds instead of accuracies.
+
   Args:
     results: ``{run name: {"history": metrics rows of `run`, "seconds": float}}``; the
       last row of each history is reported.
@@ -26,6 +30,8 @@ def result_table(results: dict[str, dict[str, Any]]) -> str:
     |---|---|---|---|---|---|---|
     | dpsgd/ring | 0.5000 | 0.9000 | 0.8800 | 0.8000 | 1.000e-03 | 1.5 |
   """
+  if any("test_bits_per_token" in r["history"][-1] for r in results.values()):
+    return _sequence_table(results)
   head = ["run", "train loss", "test acc (mean model)", "node acc mean", "node acc min", "consensus dist", "seconds"]
   rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for name, r in results.items():
@@ -34,6 +40,20 @@ def result_table(results: dict[str, dict[str, Any]]) -> str:
         f"| {name} | {f['train_loss']:.4f} | {f['test_accuracy']:.4f} | {f['node_accuracy_mean']:.4f} | "
         f"{f['node_accuracy_min']:.4f} | {f['consensus_distance']:.3e} | {r['seconds']:.1f} |"
     )
+  return "\n".join(rows)
+
+
+def _sequence_table(results: dict[str, dict[str, Any]]) -> str:
+  head = ["run", "train loss", "test loss (mean model)", "bits/token", "node test loss mean", "node test loss max",
+          "consensus dist", "MB sent", "sim seconds", "tokens/s", "seconds"]
+  rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for name, r in results.items():
+    f = r["history"][-1]
+    rows.append(
+        f"| {name} | {f['train_loss']:.4f} | {f['test_loss']:.4f} | {f['test_bits_per_token']:.3f} | "
+        f"{f['node_test_loss_mean']:.4f} | {f['node_test_loss_max']:.4f} | {f['consensus_distance']:.3e} | "
+        f"{f.get('bytes_sent', 0.0) / 1e6:.3g} | {f.get('sim_seconds', 0.0):.4g} | "
+        f"{f.get('tokens_per_second', 0):,} | {r['seconds']:.1f} |")
   return "\n".join(rows)
 
 
@@ -103,8 +123,11 @@ def plot(path: str, results: dict[str, dict[str, Any]], title: str = "", x: str 
     results: ``{run name: {"history": metrics rows of `run`, "config": RunConfig as a
       dict}}``; without a config, the run's name stands for its algorithm.
     title: the figure's title.
-    x: the x-axis: ``"step"``, or ``"bytes"``, the MB each node has sent (the rows'
-      ``bytes_sent``), to compare methods at equal communication.
+    x: the x-axis: ``"step"``; ``"bytes"``, the MB each node has sent (the rows'
+      ``bytes_sent``), to compare methods at equal communication; or ``"time"``, the
+      simulated wall clock (the rows' ``sim_seconds``). Bytes and time are drawn on log
+      scales, where methods that send little would otherwise crowd the first pixels.
+      A language model's third panel is the mean model's test loss, not its accuracy.
 
   Returns:
     None.
@@ -130,34 +153,51 @@ def plot(path: str, results: dict[str, dict[str, Any]], title: str = "", x: str 
   topologies = list(dict.fromkeys(c.get("topology") for c in configs.values() if c.get("topology")))
   colours = {a: plt.get_cmap("tab10")(i % 10) for i, a in enumerate(algorithms)}
   styles = {t: s for t, s in zip(topologies, ["-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))] * 4)}
+  sequence = any("test_bits_per_token" in h for r in results.values() for h in r["history"][-1:])
+  position = {"step": lambda h: h["step"], "bytes": lambda h: h.get("bytes_sent", 0.0) / 1e6,
+              "time": lambda h: h.get("sim_seconds", 0.0)}[x]
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
   exact = []
   for name, r in results.items():
     c = configs[name]
-    look = {"color": colours[c["algorithm"]], "linestyle": styles.get(c.get("topology"), "-"), "linewidth": 1.6}
-    steps = [h["step"] if x == "step" else h.get("bytes_sent", 0.0) / 1e6 for h in r["history"]]
+    # A run with no topology (all-reduce, DiLoCo) gets a line style of its own, not the first topology's.
+    style = styles.get(c.get("topology"), "-") if c.get("topology") or not topologies else (0, (1, 1))
+    look = {"color": colours[c["algorithm"]], "linestyle": style, "linewidth": 1.6}
+    steps = [position(h) for h in r["history"]]
     axes[0].plot(steps, [h["train_loss"] for h in r["history"]], **look)
     distance = [h["consensus_distance"] for h in r["history"]]
     if max(distance) < EXACT_CONSENSUS:
       exact.append(name)
     else:
       axes[1].plot(steps, [max(d, EXACT_CONSENSUS) for d in distance], **look)
-    axes[2].plot(steps, [h["test_accuracy"] for h in r["history"]], **look)
-  xlabel = "step" if x == "step" else "MB sent per node (an all-reduce as a ring sends it)"
+    axes[2].plot(steps, [h["test_loss" if sequence else "test_accuracy"] for h in r["history"]], **look)
+  xlabel = {"step": "step", "bytes": "MB sent per node (an all-reduce as a ring sends it)",
+            "time": "simulated seconds (synchronous, on the job's --network)"}[x]
   axes[0].set(yscale="log", xlabel=xlabel, ylabel="training loss (mean over nodes)")
   axes[1].set(yscale="log", xlabel=xlabel, ylabel="consensus distance  1/n sum ||x_i - x̄||²")
   if exact:
     axes[1].text(0.98, 0.98, f"not drawn (exact consensus, < {EXACT_CONSENSUS:g}):\n" + ", ".join(exact),
                  transform=axes[1].transAxes, ha="right", va="top", fontsize=8, color="0.35")
-  axes[2].set(xlabel=xlabel, ylabel="test accuracy of the mean model")
+  axes[2].set(xlabel=xlabel, ylabel="test loss of the mean model (nats a token)" if sequence
+              else "test accuracy of the mean model")
   for ax in axes:
     ax.grid(alpha=0.3)
+    if x != "step":  # symlog: a run's first rows may have sent nothing yet (DiLoCo before its first round)
+      ax.set_xscale("symlog", linthresh=_smallest_positive(ax))
   handles = [Line2D([], [], color=colours[a], linewidth=2,
                     label=_label(next(c for c in configs.values() if c["algorithm"] == a))) for a in algorithms]
   handles += [Line2D([], [], color="0.3", linestyle=styles[t], label=t) for t in topologies]
+  if any(not c.get("topology") for c in configs.values()) and topologies:
+    handles.append(Line2D([], [], color="0.3", linestyle=(0, (1, 1)), label="no topology (all-reduce)"))
   axes[2].legend(handles=handles, fontsize=8, loc="lower right")
   if title:
     fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def _smallest_positive(ax: Any) -> float:
+  """The smallest positive x of an axes' lines (a symlog axis's linear range below it), 1 when there is none."""
+  xs = [x for line in ax.get_lines() for x in line.get_xdata() if x > 0]
+  return float(min(xs)) if xs else 1.0

@@ -36,7 +36,7 @@ def test_the_parsed_network_is_the_one_written():
   assert gj.network("cross_region") == gj.NETWORKS["cross_region"] == gj.Network(0.79e9 / 8, 0.067)
   assert gj.network("datacenter", parallel=False).parallel is False
   assert gj.NETWORKS["infiniband"].bandwidth == 50e9  # 400 Gbit/s
-  assert list(gj.NETWORKS) == ["infiniband", "datacenter", "regional", "cross_region", "world"]
+  assert list(gj.NETWORKS) == ["infiniband", "datacenter", "regional", "cross_region", "internet"]
 
 
 @pytest.mark.parametrize("spec", ["", "lan", "1Gbit", "1Gbit,", "1Gbit,5ms,2", "10G,5ms", "1Gbyte,5ms", "x,5ms",
