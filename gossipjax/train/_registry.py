@@ -106,6 +106,11 @@ ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
         gj.gossip_sgd(topo, beta=beta, learning_rate=lr, backend=be), gj.periodic_average(o.average_every, backend=be),
         backend=be),
     "d_adam": lambda topo, lr, beta, be, o: gj.chain(optax.adam(lr, b1=beta), gj.mix(topo, backend=be), backend=be),
+    # The language-model baselines: AdamW (weight decay 1e-4, optax's default) on the all-reduced gradient
+    # (data parallel), and decentralized AdamW, each node's AdamW step gossiped.
+    "allreduce_adamw": lambda topo, lr, beta, be, o: gj.chain(
+        optax.stateless(lambda u, p: gj.node_mean(u)), optax.adamw(lr, b1=beta), backend=be),
+    "d_adamw": lambda topo, lr, beta, be, o: gj.chain(optax.adamw(lr, b1=beta), gj.mix(topo, backend=be), backend=be),
     "easgd": lambda topo, lr, beta, be, o: gj.easgd(learning_rate=lr, backend=be),
     # Local training with an outer optimizer: inner AdamW at lr (the main job's --inner-lr), b1 = --beta,
     # H = --inner-steps.
@@ -122,7 +127,7 @@ ALGORITHMS: dict[str, Callable[..., optax.GradientTransformation]] = {
 MOMENTUM = {"dpsgd": 0.0, "gradient_tracking": None, "exact_diffusion": None, "extra": None, "choco": None,
             "easgd": None}
 
-NEEDS_NO_TOPOLOGY = frozenset({"allreduce", "easgd", "diloco", "streaming_diloco"})
+NEEDS_NO_TOPOLOGY = frozenset({"allreduce", "allreduce_adamw", "easgd", "diloco", "streaming_diloco"})
 
 #: Algorithms that run on a topology of their own unless --topologies names some: NoLoCo pairs
 #: the nodes at random in every round.
