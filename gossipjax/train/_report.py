@@ -106,7 +106,7 @@ def _label(config: dict[str, Any]) -> str:
   if config.get("outer_momentum") is not None:  # DiLoCo, NoLoCo: beta is the inner AdamW's b1
     return f"{algorithm} (outer μ = {config['outer_momentum']:g}, inner b1 = {config.get('beta'):g})"
   beta = MOMENTUM.get(algorithm, config.get("beta"))
-  if algorithm in MOMENTUM and beta is None:
+  if beta is None:  # a method without momentum, or a config that names none
     return algorithm
   return f"{algorithm} (β = {beta:g})"
 

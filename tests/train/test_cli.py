@@ -26,6 +26,8 @@ def test_train_writes_metrics_plot_and_table(tmp_path, capsys):
   assert hist[-1]["train_loss"] < hist[0]["train_loss"] * 1.5  # it trains (or at least does not blow up)
   assert metrics["runs"]["allreduce"]["history"][-1]["consensus_distance"] < 1e-10
   assert (out / "plot.png").stat().st_size > 10_000
+  seconds = [h["sim_seconds"] for h in hist]  # measured compute plus the ring's exchanges on datacenter links
+  assert 0 < seconds[0] < seconds[1] and all(h["step_time"] > 0 for h in hist)
   assert "| dmsgd/ring |" in printed and "skipped decentlam/exponential" in printed
   assert results is None
 
@@ -67,6 +69,15 @@ BAD_OPTIONS = [
     (["--mixing", "1.5"], "argument --mixing: 1.5 is out of range; it must be a number in [0, 1]"),
     (["--algorithms", "dmsgd,diloco", "--checkpoint-every", "50"], "argument --checkpoint-every: 50 must be a "
      "multiple of each run's --log-every (25 for dmsgd; 20 for diloco)"),
+    (["--model", "gpt", "--partition", "by_class"], "argument --partition: by_class splits by class label; a text "
+     "corpus takes iid or by_source"),
+    (["--partition", "by_source"], "argument --partition: by_source splits a text corpus by file; the mlp trains on "
+     "the digits"),
+    (["--text", "notes.txt"], "argument --text: only --model gpt trains on text, not --model mlp"),
+    (["--model", "gpt", "--text", "no/such/path"], "argument --text: "),
+    (["--model", "gpt", "--width", "30", "--heads", "4"], "argument --heads: 4 does not divide --width 30"),
+    (["--network", "fast"], "argument --network: "),
+    (["--step-time", "-1"], "argument --step-time: -1.0 is out of range"),
 ]
 
 
@@ -114,7 +125,8 @@ def test_learning_rate_parses_only_finite_positive_numbers(value):
 @pytest.mark.slow
 def test_resume_continues_bit_for_bit(tmp_path):
   # Momentum on a time-varying W, whose index resumes with the step; tests/train/test_cli_kill.py kills a job for real.
-  common = ["train", "--nodes", "8", "--log-every", "25", "--checkpoint-every", "25", "--no-progress",
+  # A given --step-time: sim_seconds is then exact as the other metrics (measured, it is this machine's timing).
+  common = ["train", "--nodes", "8", "--log-every", "25", "--checkpoint-every", "25", "--no-progress", "--step-time", "0.01",
             "--algorithms", "dmsgd", "--topologies", "one_peer_exponential"]
   cli.main(common + ["--steps", "50", "--out", str(tmp_path / "straight")])
   cli.main(common + ["--steps", "25", "--out", str(tmp_path / "split")])  # "dies" at step 25
@@ -225,7 +237,8 @@ def test_streaming_diloco_sends_one_fragment_at_a_time_and_a_model_a_round(tmp_p
 
 @pytest.mark.slow
 def test_a_runs_numbers_do_not_depend_on_the_other_runs_of_its_job(tmp_path):
-  common = ["train", "--steps", "25", "--nodes", "2", "--batch-size", "4", "--no-progress", "--topologies", "ring"]
+  common = ["train", "--steps", "25", "--nodes", "2", "--batch-size", "4", "--no-progress", "--topologies", "ring",
+            "--step-time", "0.01"]  # given, so that sim_seconds is exact as the other metrics
   cli.main(common + ["--algorithms", "dmsgd", "--out", str(tmp_path / "alone")])
   cli.main(common + ["--algorithms", "dmsgd,diloco", "--out", str(tmp_path / "with_diloco")])
   alone = json.loads((tmp_path / "alone" / "metrics.json").read_text())["runs"]
@@ -249,3 +262,21 @@ def test_help_says_each_default_once(capsys):
   shown = " ".join(text.split())
   assert "(default: allreduce,dpsgd,dmsgd,decentlam)" in shown and "(default: 500)" in shown
   assert "(default: 0)" in shown  # a default of 0 is shown: --checkpoint-every
+
+
+def test_plot_against_simulated_time_on_a_log_axis(tmp_path, monkeypatch):
+  """--x-axis time draws each row at its sim_seconds, on a log axis; a language model's third panel is its test loss."""
+  import matplotlib.figure
+
+  from gossipjax import train
+
+  drawn = []
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+  rows = [{"step": s, "train_loss": 4.0 / s, "consensus_distance": 0.1 / s, "test_loss": 3.0 / s,
+           "test_accuracy": 0.2, "test_bits_per_token": 4.3 / s, "sim_seconds": 0.5 * s, "bytes_sent": 0.0}
+          for s in (10, 20, 30)]
+  train.plot(str(tmp_path / "p.png"), {"diloco": {"history": rows, "config": {"algorithm": "diloco"}}}, x="time")
+  loss, _, test = drawn[0].axes
+  assert list(loss.get_lines()[0].get_xdata()) == [5.0, 10.0, 15.0] and loss.get_xscale() == "symlog"
+  assert list(test.get_lines()[0].get_ydata()) == [0.3, 0.15, 0.1] and "test loss" in test.get_ylabel()
+  assert "simulated seconds" in loss.get_xlabel()

@@ -11,7 +11,7 @@ import pytest
 from gossipjax import cli
 from gossipjax.train import _job
 
-TINY = ["train", "--nodes", "4", "--log-every", "5", "--checkpoint-every", "5", "--no-progress",
+TINY = ["train", "--nodes", "4", "--log-every", "5", "--checkpoint-every", "5", "--no-progress", "--step-time", "0.01",
         "--algorithms", "dpsgd", "--topologies", "ring"]
 
 

@@ -18,6 +18,7 @@ import pytest
 from _launch import BIN, environment
 
 ARGS = ["train", "--nodes", "4", "--steps", "100", "--log-every", "5", "--checkpoint-every", "5", "--no-progress",
+        "--step-time", "0.01",
         "--algorithms", "dpsgd", "--topologies", "ring"]
 TIMEOUT = 120  # seconds per process; a healthy one takes a few
 
