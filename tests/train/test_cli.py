@@ -280,3 +280,18 @@ def test_plot_against_simulated_time_on_a_log_axis(tmp_path, monkeypatch):
   assert list(loss.get_lines()[0].get_xdata()) == [5.0, 10.0, 15.0] and loss.get_xscale() == "symlog"
   assert list(test.get_lines()[0].get_ydata()) == [0.3, 0.15, 0.1] and "test loss" in test.get_ylabel()
   assert "simulated seconds" in loss.get_xlabel()
+
+
+def test_the_readmes_commands_parse():
+  """Every ``gossipjax train`` command the README shows takes options the job has, in combinations it accepts."""
+  import pathlib
+  import shlex
+
+  text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text().replace("\\\n", " ")
+  commands = [line.split("gossipjax train", 1)[1] for line in text.splitlines()
+              if line.lstrip().startswith(".venv/bin/gossipjax train")]
+  assert commands
+  for command in commands:
+    args = cli.build_parser().parse_args(["train", *shlex.split(command.split("#")[0])])
+    cli._check_args(args)
+    assert args.model in ("mlp", "cnn", "gpt")
