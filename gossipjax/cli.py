@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
   from gossipjax.train import ALGORITHMS, TOPOLOGIES
   from gossipjax.train._registry import COMPRESSORS
 
-  p = _Parser(prog="gossipjax", description=__doc__)
+  p = _Parser(prog="gossipjax", description="gossipjax train: compare decentralized algorithms and topologies on "
+                                             "real data, no network needed.")
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
   t = sub.add_parser("train", help="train a model (a classifier of the bundled handwritten digits, or a GPT on text "
                                     "every Python ships) with n decentralized nodes",
@@ -117,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--backend", choices=["simulate", "sharded", "mpi"], default="simulate",
                  help="where the nodes live: all on one device, split over this host's devices "
                       "(shard_map + ppermute), or over MPI ranks (launch with `mpiexec -n K gossipjax train "
-                      "--backend mpi`); every backend reports the simulation's numbers")
+                      "--backend mpi`); every backend reports the simulation's numbers: to round-off in float64, and within "
+                      "float32 rounding in float32, except where a selection flips on it (choco's top_k keeps other "
+                      "entries, and the runs part)")
   t.add_argument("--devices", type=_integer(1, "a positive integer"), default=None,
                  help="sharded: how many devices to split the nodes over (default: all; on a CPU host, "
                       "that many CPU devices are made)")
@@ -257,9 +260,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.fragments > args.inner_steps:
       fail(f"argument --fragments: streaming_diloco syncs one of {args.fragments} fragments every --inner-steps / "
            f"--fragments steps; give --inner-steps ({args.inner_steps}) at least --fragments")
-    if args.overlap >= args.inner_steps // args.fragments:
+    if args.overlap * args.fragments >= args.inner_steps:
       fail(f"argument --overlap: {args.overlap} must be below --inner-steps / --fragments = "
-           f"{args.inner_steps // args.fragments} (a fragment's outer step lands before the next fragment syncs)")
+           f"{args.inner_steps / args.fragments:.3g} (a fragment's outer step lands before the next fragment syncs)")
   if outer and args.inner_steps > args.steps:
     fail(f"argument --inner-steps: {args.inner_steps} is more than --steps {args.steps}, so {', '.join(outer)} would "
          "never end a round (they communicate once every --inner-steps steps); give --inner-steps at most --steps")

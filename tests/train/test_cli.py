@@ -295,3 +295,10 @@ def test_the_readmes_commands_parse():
     args = cli.build_parser().parse_args(["train", *shlex.split(command.split("#")[0])])
     cli._check_args(args)
     assert args.model in ("mlp", "cnn", "gpt")
+
+
+def test_top_level_help_is_plain_text(capsys):
+  with pytest.raises(SystemExit):
+    cli.main(["--help"])
+  text = capsys.readouterr().out
+  assert "gossipjax train: compare decentralized algorithms" in text and "``" not in text
