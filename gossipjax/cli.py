@@ -8,6 +8,7 @@ import functools
 import os
 import shutil
 import sys
+import time
 from typing import Any, Callable, NoReturn, Sequence
 
 
@@ -609,7 +610,8 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
   launched = lambda rows: [{**row, "launch": args.launch} for row in rows]
   _PROGRESS.update(out=args.out if placement.is_main else None, checkpoint_every=args.checkpoint_every)
 
-  def on_chunk(ckpt, previous, state, rows):
+  def on_chunk(ckpt, previous, began, state, rows):
+    rows[-1]["wall_seconds"] = began + time.perf_counter()  # the run's seconds since its step 0, resumes included
     ckpt.save(state, previous + launched(rows))
     _PROGRESS["step"] = state.step
     if args.checkpoint_every and state.step % args.checkpoint_every == 0:
@@ -636,9 +638,11 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
         state.opt_state = state.opt_state._replace(max_consecutive=fresh.opt_state.max_consecutive)
         bar.update(state.step)
       _PROGRESS.update(run=cfg.name, step=state.step if state else 0, saved=state.step if state else None)
+      before = previous[-1].get("wall_seconds", 0.0) if previous else 0.0
+      began = before - time.perf_counter()
       try:
         _, history, seconds = timed_run(cfg, dataset, model, tx, progress=bar.update, state=state or fresh,
-                                        on_chunk=functools.partial(on_chunk, ckpt, previous),
+                                        on_chunk=functools.partial(on_chunk, ckpt, previous, began),
                                         backend=backend,
                                         sent_before=previous[-1].get("bytes_sent", 0.0) if previous else 0.0,
                                         seconds_before=previous[-1].get("sim_seconds", 0.0) if previous else 0.0)
@@ -647,7 +651,7 @@ def _train_runs(args, backend, placement, comm, dataset, runs, txs, skipped) -> 
         error.quiet = comm is not None and not placement.is_main  # every rank raises it together
         raise error from e
       results[cfg.name] = {"config": dataclasses.asdict(cfg), "history": previous + launched(history),
-                           "seconds": seconds}
+                           "seconds": before + seconds}
 
   if not placement.is_main:
     return results

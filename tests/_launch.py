@@ -60,3 +60,13 @@ def run(cmd: Sequence[object], timeout: float, cwd: Path | str | None = None,
   result = subprocess.CompletedProcess(args, proc.returncode, out, "")
   result.seconds = time.monotonic() - start
   return result
+
+
+# What a metrics row measures of this machine (its wall clock, its throughput), not of the run: left out where
+# rows are compared exactly.
+MEASURED = ("wall_seconds", "tokens_per_second")
+
+
+def exact(rows):
+  """Metrics rows without their measurements of the machine, to compare runs as floats."""
+  return [{k: v for k, v in row.items() if k not in MEASURED} for row in rows]
