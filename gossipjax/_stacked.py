@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from gossipjax._axis import mapping
 from gossipjax.backend._base import auto_where_explicit
+from gossipjax.backend._cpu_threads import check_placed_threads
 from gossipjax.backend._precision import mean_terms
 from gossipjax.mixing._collectives import node_average
 
@@ -67,8 +68,10 @@ def _node_leaves(tree: Any, what: str) -> list[tuple[Any, Any]]:
 
   Integer, bool and PRNG-key leaves (step counters, flax RNG streams) are allowed, as `mix`
   allows them; a leaf that is not an array, a scalar without a node axis, or a node axis of
-  another size raises, naming the leaf.
+  another size raises, naming the leaf. Leaves placed on several CPU devices need the client's
+  threads for a program over them (`check_placed_threads`).
   """
+  check_placed_threads(tree, what)
   leaves, first = jax.tree_util.tree_leaves_with_path(tree), None
   for path, x in leaves:
     name = jax.tree_util.keystr(path) or "<root>"

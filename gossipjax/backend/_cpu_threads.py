@@ -26,22 +26,30 @@ environment variable (else ``NPROC``, else the cores the process may run on) whe
 client starts, so it must be set before the client exists. That is the process's choice, not
 a side effect of importing gossipjax: an entry point (the CLI, the examples, the tests' conftest)
 calls `reserve_cpu_threads` after choosing its device count and before JAX's first computation.
-The sharded and pmapped backends refuse, in one line that gives that call, to run collectives
-on a client with too few threads (`check_collective_threads`): by the time a backend exists the
-client has started and cannot grow, and the alternative is a run that stalls for XLA's
-rendezvous timeout and aborts. The intra-op pool of the same client is sized from the same number; on a machine
-with fewer than 2K cores it gets 2K mostly idle threads, which costs little next to a process
-that aborts.
+The library refuses, in one line that gives that call, to run collectives over CPU devices on a
+client with too few threads: by then the client has started and cannot grow, and the
+alternative is a run that stalls for XLA's rendezvous timeout and aborts. The sharded and
+pmapped backends check their devices when they are built (`check_collective_threads`); every
+entry that takes the user's node-stacked arrays as they are placed (the simulation backend's
+mixing, mean, gather and ``map``, ``gj.nodes`` / ``gj.chain``, the stacked transforms' ``init``,
+`gj.node_mean` and the stacked metrics) checks the CPU devices they are placed on
+(`check_placed_threads`): eagerly from each array's sharding, and under ``jax.jit`` from its
+sharding type, whose mesh JAX keeps on Auto meshes too, once per trace. The intra-op pool of
+the same client is sized from the same number; on a machine with fewer than 2K cores it gets
+2K mostly idle threads, which costs little next to a process that aborts.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import warnings
 from typing import Any, Iterable, Mapping
 
 import jax
+
+from gossipjax.backend._base import _sharding_of
 
 # The depth of the per-device semaphore: fewer queued steps than this never wait on it.
 MAX_INFLIGHT_PER_DEVICE = 32
@@ -145,12 +153,19 @@ def reserve_cpu_threads() -> None:
     os.environ["PJRT_NPROC"] = value
 
 
+_enough_counted: int | None = None  # a pool counted large enough for every CPU device of this process
+
+
 def live_pool_size() -> int | None:
   """The running CPU client's pool, counted from its threads where ``/proc`` lists them, else ``None``.
 
   XLA names the threads of the pool it sizes from ``PJRT_NPROC`` "XLAEigen"; counting them reads
-  what the client started with, whatever the environment says now.
+  what the client started with, whatever the environment says now. A count large enough for all
+  of this process's CPU devices is kept: the pool never shrinks, and counting takes milliseconds.
   """
+  global _enough_counted
+  if _enough_counted is not None:
+    return _enough_counted
   tasks = "/proc/self/task"
   try:
     ids = os.listdir(tasks)
@@ -163,7 +178,16 @@ def live_pool_size() -> int | None:
         count += "XLAEigen" in f.read()
     except OSError:
       pass  # a thread that ended while listing
+  # A smaller count is read again next time: it may be a pool whose threads are not all named yet.
+  if count >= threads_needed(len(jax.local_devices(backend="cpu"))):
+    _enough_counted = count
   return count or None
+
+
+def _shortfall_of(k: int) -> tuple[int, int, int] | None:
+  """``(pool, needed, k)`` where collectives over k >= 2 of this process's CPU devices lack threads."""
+  pool = live_pool_size() or pool_size(len(jax.local_devices(backend="cpu")))
+  return (pool, threads_needed(k), k) if pool < threads_needed(k) else None
 
 
 def _shortfall(devices: Iterable[Any]) -> tuple[int, int, int] | None:
@@ -171,9 +195,15 @@ def _shortfall(devices: Iterable[Any]) -> tuple[int, int, int] | None:
   local = [d for d in devices if d.process_index == jax.process_index()]
   if len(local) < 2 or local[0].platform != "cpu":
     return None  # one device waits on no other; accelerators run collectives off this pool
-  k = len(local)
-  pool = live_pool_size() or pool_size(len(jax.local_devices(backend="cpu")))
-  return (pool, threads_needed(k), k) if pool < threads_needed(k) else None
+  return _shortfall_of(len(local))
+
+
+def _refusal(where: str, pool: int, need: int, k: int) -> RuntimeError:
+  return RuntimeError(
+      f"{where}: XLA's CPU client has {pool} threads, but collectives over {k} CPU devices need {need} (a loop that "
+      f"queues more than {MAX_INFLIGHT_PER_DEVICE} steps would deadlock); it started with JAX and cannot grow now: "
+      f"call `gj.backend.reserve_cpu_threads()` first, after setting the device count and before any JAX call "
+      f"(jax.devices(), jax.make_mesh, an array), or start the process with PJRT_NPROC={need}")
 
 
 def check_collective_threads(devices: Iterable[Any], where: str) -> None:
@@ -185,14 +215,56 @@ def check_collective_threads(devices: Iterable[Any], where: str) -> None:
       before JAX's first computation, since the client cannot grow once started.
   """
   short = _shortfall(devices)
-  if short is None:
+  if short is not None:
+    raise _refusal(where, *short)
+
+
+@functools.lru_cache(maxsize=256)
+def _local_cpu_devices(sharding: Any) -> int:
+  """How many of this process's CPU devices a program over arrays of ``sharding`` runs on."""
+  mesh = getattr(sharding, "mesh", None)
+  if isinstance(mesh, jax.sharding.AbstractMesh):  # a sharding type under jit: a size and a platform, no devices
+    device = mesh.abstract_device
+    if mesh.empty or device is None or device.platform != "cpu":
+      return 0
+    # A mesh of several processes has fewer devices here: an upper bound, which the reservation meets.
+    return min(mesh.size, len(jax.local_devices(backend="cpu")))
+  devices = getattr(sharding, "device_set", ())
+  return sum(d.platform == "cpu" and d.process_index == jax.process_index() for d in devices)
+
+
+def placed_cpu_devices(tree: Any) -> int:
+  """The most of this process's CPU devices that one leaf of ``tree`` is placed on (0 for none).
+
+  Reads a concrete array's sharding, or under ``jax.jit`` its sharding type, whose mesh JAX keeps
+  on Auto meshes too; host values (NumPy arrays, Python numbers) are placed nowhere.
+  """
+  most = 0
+  for leaf in jax.tree.leaves(tree):
+    sharding = _sharding_of(leaf)
+    if sharding is not None:
+      most = max(most, _local_cpu_devices(sharding))
+  return most
+
+
+def check_placed_threads(tree: Any, where: str) -> None:
+  """Refuses to compute on ``tree`` where its leaves span CPU devices whose client has too few threads.
+
+  What the library calls where it takes the user's node-stacked arrays as they are placed (the
+  simulation backend, ``gj.nodes``, the stacked transforms' ``init``, the stacked metrics): params
+  placed on a mesh of K >= 2 CPU devices make every step a K-device program, whatever the backend.
+  Cheap: a look at each leaf's sharding (under ``jax.jit`` once per trace).
+
+  Raises:
+    RuntimeError: a leaf spans K >= 2 of this process's CPU devices and its CPU client has fewer
+      than 2K threads; the message is `check_collective_threads`'s, with the call that sizes the client.
+  """
+  k = placed_cpu_devices(tree)
+  if k < 2:
     return
-  pool, need, k = short
-  raise RuntimeError(
-      f"{where}: XLA's CPU client has {pool} threads, but collectives over {k} CPU devices need {need} (a loop that "
-      f"queues more than {MAX_INFLIGHT_PER_DEVICE} steps would deadlock); it started with JAX and cannot grow now: "
-      f"call `gj.backend.reserve_cpu_threads()` first, after setting the device count and before any JAX call "
-      f"(jax.devices(), jax.make_mesh, an array), or start the process with PJRT_NPROC={need}")
+  short = _shortfall_of(k)
+  if short is not None:
+    raise _refusal(f"{where} (arrays placed on {k} CPU devices)", *short)
 
 
 def _warn_if_short(devices: Iterable[Any], where: str) -> None:

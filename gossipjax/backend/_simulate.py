@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from gossipjax.backend._base import auto_where_explicit, node_sharding
 from gossipjax.backend._block_plan import rounds_alone
+from gossipjax.backend._cpu_threads import check_placed_threads
 from gossipjax.backend._map import InAxes, vmap_nodes
 from gossipjax.backend._precision import accumulation_dtype, mean_terms
 from gossipjax.backend._traffic import note_gossip, note_all_to_all, note_gather, note_mean
@@ -110,6 +111,7 @@ class SimulateMixer:
   def mix(self, tree: Any, step: jax.Array | int = 0, wire: Any = None) -> Any:
     note_gossip(self.topology, tree, step, wire, 0)  # the compact form is what would cross
     del wire  # every node is here: the dense rows are mixed, and a compact form has nothing to cross
+    check_placed_threads(tree, _WHERE)
     warn_if_placed(tree, self.topology.name)
     # Params placed on an Explicit mesh: the rolls along the node axis are left to the compiler
     # (a traced step goes in as an argument, typed for the compiler's context).
@@ -139,12 +141,16 @@ class SimulateMixer:
     """Each round of a static W apart, one tree per round (``W = diag(self weight) + sum_r W_r``)."""
     alone = rounds_alone(self.topology)
     note_gossip(self.topology, tree, 0, wire, 0)
+    check_placed_threads(tree, _WHERE)
     warn_if_placed(tree, self.topology.name)
     return auto_where_explicit(lambda t: tuple(jax.tree.map(lambda x: apply_plan(p, x), t) for p in alone), tree,
                                lambda specs: (specs,) * len(alone))
 
 
 _MAX_SWITCH_BRANCHES = 16
+
+# What a refusal names: params the user placed on several CPU devices make each simulated step a program over them.
+_WHERE = "gj.backend.simulate"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +174,7 @@ class Simulate:
     """Every node gets the average over the node axis, scaled before it is summed (see `mean_terms`)."""
     leaves = jax.tree.leaves(tree)
     note_mean(tree, jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else 1)
+    check_placed_threads(tree, _WHERE)
 
     def leaf(x):
       total = jnp.sum(mean_terms(x, x.shape[0]), axis=0, keepdims=True)
@@ -187,6 +194,7 @@ class Simulate:
     """Every node's values, on every node (the all-gather): the stacked tree itself."""
     leaves = jax.tree.leaves(tree)
     note_gather(tree, jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else 1)
+    check_placed_threads(tree, _WHERE)
     # On an Explicit mesh every node's values are made whole on each device (one all-gather).
     return auto_where_explicit(lambda t: t, tree, lambda specs: jax.tree.map(_unsplit_nodes, specs, is_leaf=_is_spec))
 
@@ -194,6 +202,7 @@ class Simulate:
     """Node j's piece j of every node: leaves ``(b, n, ...)`` (piece k of local node i at ``[i, k]``) become
     ``(b, n, ...)`` with ``[i, s]`` the piece of local node i that node s sent."""
     note_all_to_all(tree)
+    check_placed_threads(tree, _WHERE)
     # On an Explicit mesh the result keeps the node axis where it was, on the leading axis.
     return auto_where_explicit(lambda t: jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), t), tree, lambda specs: specs)
 
@@ -217,7 +226,13 @@ class Simulate:
       (4, 3)
     """
     where = "gj.backend.simulate().map"
-    return vmap_nodes(fn, in_axes, num_nodes, where)
+    mapped = vmap_nodes(fn, in_axes, num_nodes, where)
+
+    def run(*args):
+      check_placed_threads(args, where)
+      return mapped(*args)
+
+    return run
 
 
 def simulate() -> Simulate:

@@ -15,6 +15,7 @@ import optax
 
 from gossipjax.backend import Backend, simulate
 from gossipjax.backend._base import current
+from gossipjax.backend._cpu_threads import check_placed_threads
 from gossipjax._axis import mapping
 from gossipjax.backend._precision import accumulation_dtype as accumulation_dtype  # the algorithms sum through here
 from gossipjax.mixing._node_mixer import NodeMixer
@@ -141,6 +142,9 @@ def float_leaves_only(tx: optax.GradientTransformation,
     return jax.tree.map(lambda p, x: x if _is_float(p) else optax.MaskedNode(), like, tree)
 
   def init_fn(params):
+    # The first look at the params as the user placed them: on several CPU devices, every step is a
+    # program over them, refused here where the client lacks the threads (not a deadlock 32 steps on).
+    check_placed_threads(params, "gj: tx.init")
     return tx.init(params if all_float(params) else mask(params, params))
 
   def update_fn(updates, state, params=None, **extra_args):

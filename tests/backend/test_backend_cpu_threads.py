@@ -7,7 +7,11 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import gossipjax as gj
 from gossipjax.backend import _cpu_threads as cpu
@@ -158,4 +162,128 @@ def test_reserving_after_jax_started_changes_nothing_and_says_so(monkeypatch):
   with pytest.warns(RuntimeWarning, match=r"reserve_cpu_threads \(called after JAX started\).*PJRT_NPROC=16"):
     gj.backend.reserve_cpu_threads()
   assert "PJRT_NPROC" not in os.environ
-  assert jax.config.jax_num_cpu_devices == -1  # the probe of whether JAX started put the option back
+  assert jax.config.values["jax_num_cpu_devices"] == -1  # the probe of whether JAX started put the option back
+
+
+# Params the user placed on the CPU devices themselves, reaching the library without a sharded
+# backend: every way in must refuse a client too small for them, as the backends' constructors do.
+def _placed(axis_type):
+  mesh = jax.make_mesh((K,), ("nodes",), axis_types=(axis_type,))
+  return jax.device_put(jnp.arange(2.0 * K * 3).reshape(2 * K, 3), NamedSharding(mesh, P("nodes")))
+
+
+def _step_under_jit(make_tx):
+  def run(x):
+    tx = make_tx()
+    state = tx.init(np.asarray(x))  # made from host values: only the step sees how x is placed
+    return jax.jit(lambda x, s: tx.update(x, s, x))(x, state)
+  return run
+
+
+_PLACED_PATHS = {
+    "gossip_sgd.init": lambda x: gj.gossip_sgd(gj.topology.ring(2 * K), learning_rate=0.1).init(x),
+    "gossip_sgd under jit": _step_under_jit(lambda: gj.gossip_sgd(gj.topology.ring(2 * K), beta=0.9, learning_rate=0.1)),
+    "chain.init": lambda x: gj.chain(optax.adam(0.1), gj.mix(gj.topology.ring(2 * K))).init(x),
+    "chain under jit": lambda x: jax.jit(lambda x: (lambda tx: tx.update(x, tx.init(x), x))(
+        gj.chain(optax.adam(0.1), gj.mix(gj.topology.ring(2 * K)))))(x),
+    "allreduce_sgd under jit": _step_under_jit(lambda: gj.allreduce_sgd(learning_rate=0.1)),
+    "simulate().map": lambda x: gj.backend.simulate().map(jnp.sum)(x),
+    "simulate().mean": lambda x: gj.backend.simulate().mean(x),
+    "node_mean": gj.node_mean,
+    "consensus_distance": gj.consensus_distance,
+    "nonfinite_nodes": gj.nonfinite_nodes,
+}
+
+
+@pytest.mark.filterwarnings("ignore:gj.backend.simulate. the params mixed")  # built for the simulation on purpose
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit],
+                         ids=["auto", "explicit"])
+@pytest.mark.parametrize("path", list(_PLACED_PATHS))
+def test_params_placed_on_cpu_devices_are_refused_on_a_small_client_by_every_way_in(monkeypatch, path, axis_type):
+  run = _PLACED_PATHS[path]
+  x = _placed(axis_type)
+  run(x)  # this process's client has its threads
+  monkeypatch.setattr(cpu, "live_pool_size", lambda: 2)  # as a client started without the reservation on 2 cores
+  run(jnp.asarray(np.asarray(x)))  # one device waits on no other
+  with pytest.raises(RuntimeError, match=rf"\(arrays placed on {K} CPU devices\): XLA's CPU client has 2 threads, "
+                                         rf"but collectives over {K} CPU devices need {2 * K} .*reserve_cpu_threads"):
+    run(x)
+
+
+QUEUED_METRICS = 2 * cpu.MAX_INFLIGHT_PER_DEVICE  # eager calls, each a program: more than the queue holds
+
+# The deadlock reached without a sharded backend: the user places the params on 4 CPU devices and
+# runs transforms built for the simulation, queueing steps without waiting on any, in a fresh
+# process whose client gets max(NPROC=2, 4) = 4 threads. Each way in either is refused at once or,
+# reserved, finishes; before the library looked at placed params this aborted after about 60 s.
+_PLACED_CHILD = textwrap.dedent(f"""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax
+    import numpy as np
+    import optax
+    import gossipjax as gj
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    gj.backend.reserve_cpu_threads()
+    ring = gj.topology.ring(8)
+    target = np.arange(24, dtype=np.float32).reshape(8, 3)
+
+    def placed(x):
+      mesh = jax.make_mesh((4,), ("nodes",), axis_types=(jax.sharding.AxisType.Auto,))
+      return jax.device_put(x, NamedSharding(mesh, P("nodes")))
+
+    def loop(tx, x, state):
+      step = jax.jit(lambda x, s: (lambda u, s: (optax.apply_updates(x, u), s))(*tx.update(x - target, s, x)))
+      for _ in range({UNSYNCHRONISED_STEPS}):
+        x, state = step(x, state)
+      return x
+
+    def gossip_sgd():  # the transform's init on the placed params, then jitted steps
+      x = placed(np.zeros((8, 3), np.float32))
+      tx = gj.gossip_sgd(ring, learning_rate=0.1)
+      return loop(tx, x, tx.init(x))
+
+    def chain_jitted_init():  # init and steps both under jit
+      x = placed(np.zeros((8, 3), np.float32))
+      tx = gj.chain(optax.sgd(0.1, momentum=0.9), gj.mix(ring))
+      return loop(tx, x, jax.jit(tx.init)(x))
+
+    def state_made_on_the_host():  # only the jitted step sees the placement
+      tx = gj.gossip_sgd(ring, beta=0.9, learning_rate=0.1)
+      return loop(tx, placed(np.zeros((8, 3), np.float32)), tx.init(np.zeros((8, 3), np.float32)))
+
+    def queued_metrics():  # the stacked metrics, queued eagerly
+      x = placed(target)
+      return [gj.consensus_distance(x) for _ in range({QUEUED_METRICS})][-1]
+
+    for path in (gossip_sgd, chain_jitted_init, state_made_on_the_host, queued_metrics):
+      try:
+        np.asarray(path())
+        print(path.__name__, "finished", flush=True)
+      except RuntimeError as e:
+        print(path.__name__, "refused", str(e).splitlines()[0], flush=True)
+""")
+
+
+@pytest.mark.parametrize("reserve", [False, True], ids=["without_reservation", "reserved_first"])
+def test_params_placed_by_the_user_on_cpu_devices_give_a_clear_error_never_a_hang(reserve):
+  child = _PLACED_CHILD if reserve else _PLACED_CHILD.replace("gj.backend.reserve_cpu_threads()\n", "")
+  assert ("reserve_cpu_threads()\n" in child) == reserve
+  try:
+    res = subprocess.run([sys.executable, "-c", child], env=dict(_fresh_env(), NPROC="2"), capture_output=True,
+                         text=True, timeout=60)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"{UNSYNCHRONISED_STEPS} steps on params placed on 4 CPU devices neither finished nor failed in 60 s")
+  assert res.returncode == 0, res.stderr[-2000:]
+  lines = res.stdout.strip().splitlines()
+  paths = ("gossip_sgd", "chain_jitted_init", "state_made_on_the_host", "queued_metrics")
+  assert [line.split()[0] for line in lines] == list(paths), res.stdout + res.stderr[-2000:]
+  for line in lines:
+    if reserve:
+      assert line.split()[1] == "finished", line
+      continue
+    assert line.split()[1] == "refused", line
+    assert ("(arrays placed on 4 CPU devices): XLA's CPU client has 4 threads, but collectives over 4 CPU devices "
+            "need 8") in line, line
+    assert "call `gj.backend.reserve_cpu_threads()` first" in line and line.endswith("PJRT_NPROC=8"), line
