@@ -14,6 +14,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from gossipjax._axis import NodeAxis, mapped, mapping, settle_shared, shared_leaves, unguarded_under_gate
+from gossipjax._validation import check_node_mask
 from gossipjax.backend._base import mesh_of_explicit
 from gossipjax.backend._sharded import conform, leaf_spec
 from gossipjax.mixing import follow_placement, resolve_backend
@@ -202,6 +203,8 @@ class _NodeMap:
       if isinstance(value, (list, tuple)) and all(np.ndim(v) == 0 for v in value):
         value = jnp.asarray(value)  # a list of one entry per node, as the stacked transforms take it
       value = jax.tree.map(jnp.asarray, value)
+      if name == "up" and isinstance(value, jax.Array):
+        check_node_mask(value, (n,), self.where)  # the participation mask: one bool per node, as bare methods take it
       for path, x in jax.tree_util.tree_leaves_with_path(value):
         if not jnp.ndim(x) or jnp.shape(x)[0] != n:
           raise ValueError(f"{self.where}: the extra argument {name}{jax.tree_util.keystr(path)} is one value per "

@@ -3,12 +3,15 @@
 Every message starts with the public name it concerns (``gj.gossip_sgd: ...``), then says
 what was given, what was expected and how to fix it. Checks read only concrete values:
 under ``optax.inject_hyperparams`` with ``jit`` hyperparameters arrive traced and are the
-caller's responsibility.
+caller's responsibility. A hyperparameter given one value per node is checked entry by
+entry, inside `checking_node`, and a refusal names the node.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+from typing import Any, Iterator
 
 import jax
 import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
@@ -30,7 +33,7 @@ def check_in_range(value: Any, name: str, arg: str, low: float, high: float, low
     return
   if not np.isfinite(v) or v > high or v < low or (low_open and v == low) or (high_open and v == high):
     interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    raise ValueError(f"{name}: {arg} must be in {interval}, got {_shown(value)}")
+    raise ValueError(f"{name}: {arg} must be in {interval}, {_got(value)}")
 
 
 def is_integer(value: Any) -> bool:
@@ -45,8 +48,30 @@ def is_zero(value: Any) -> bool:
 
 
 def _shown(value: Any) -> str:
-  """A number as a message shows it: ``3``, ``1.5`` (NumPy scalars without their type's name)."""
-  return repr(value.item()) if isinstance(value, np.generic) else repr(value)
+  """A number as a message shows it: ``3``, ``1.5`` (NumPy scalars and concrete 0-d arrays in their own precision)."""
+  if isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, jax.core.Tracer) and np.ndim(value) == 0:
+    value = np.asarray(value)[()]
+  return str(value) if isinstance(value, np.generic) else repr(value)
+
+
+# The node whose entry of a per-node hyperparameter is being checked (`checking_node`).
+_NODE: contextvars.ContextVar[int | None] = contextvars.ContextVar("gossipjax_checked_node", default=None)
+
+
+@contextlib.contextmanager
+def checking_node(node: int) -> Iterator[None]:
+  """Within it the checks read node ``node``'s entry of a per-node hyperparameter, and a refusal names the node."""
+  token = _NODE.set(node)
+  try:
+    yield
+  finally:
+    _NODE.reset(token)
+
+
+def _got(value: Any) -> str:
+  """``got 1.5``, and ``at node 1`` when the value is one node's entry (`checking_node`)."""
+  node = _NODE.get()
+  return f"got {_shown(value)}" + ("" if node is None else f" at node {node}")
 
 
 MAX_PERIOD = 2**31 - 1  # the largest period an int32 step counter reaches
@@ -80,7 +105,7 @@ def check_finite_nonnegative(value: Any, name: str, arg: str) -> None:
   """Raises ``ValueError`` unless the number ``arg`` is finite and >= 0 (a time, a size)."""
   v = _concrete_scalar(value, name, arg)
   if v is not None and not (np.isfinite(v) and v >= 0):
-    raise ValueError(f"{name}: {arg} must be a finite number >= 0, got {value!r}")
+    raise ValueError(f"{name}: {arg} must be a finite number >= 0, {_got(value)}")
 
 
 def check_positive_int(value: Any, name: str, arg: str) -> int:
@@ -123,6 +148,16 @@ def require_node_axis(tree: Any, name: str, what: str = "params") -> None:
       raise ValueError(f"{name}: {what}{jax.tree_util.keystr(path)} is a scalar, with no node axis to average "
                        "over; every leaf needs the leading node axis (stack every node's params, e.g. with "
                        "gj.init_nodes)")
+
+
+def check_node_mask(mask: Any, shape: tuple[int, ...], name: str) -> None:
+  """Raises unless the participation mask ``up`` is a bool array of ``shape``: (n,) on stacked trees, () for one node.
+
+  A stacked transform and `gj.chain` around it check the same mask alike, in the same words.
+  """
+  if mask.dtype != jnp.bool_ or tuple(mask.shape) != tuple(shape):
+    raise ValueError(f"{name}: up must be a bool array with one entry per node, of shape {tuple(shape)}, got "
+                     f"{mask.dtype} of shape {tuple(mask.shape)}")
 
 
 def require_static(topology: Any, name: str) -> None:
@@ -192,11 +227,11 @@ def check_learning_rate(learning_rate: Any, name: str, arg: str = "learning_rate
                     f"got {type(learning_rate).__name__} {learning_rate!r}")
   lr = _concrete_scalar(learning_rate, name, arg)
   if lr is not None and not np.isfinite(lr):
-    raise ValueError(f"{name}: {arg} must be finite, got {lr}")
+    raise ValueError(f"{name}: {arg} must be finite, {_got(learning_rate)}")
   if lr is not None and lr < 0:
-    raise ValueError(f"{name}: {arg} must be non-negative, got {lr} (a negative rate ascends the loss)")
+    raise ValueError(f"{name}: {arg} must be non-negative, {_got(learning_rate)} (a negative rate ascends the loss)")
   if lr is not None and lr > high:
-    raise ValueError(f"{name}: {arg} must be at most {high:.4g}, got {lr:g}")
+    raise ValueError(f"{name}: {arg} must be at most {high:.4g}, {_got(learning_rate)}")
 
 
 def _check_schedule_shape(schedule: Any, name: str, arg: str = "learning_rate") -> None:
@@ -215,4 +250,4 @@ def check_momentum(beta: Any, name: str) -> None:
   """Raises unless ``beta`` is a finite number in [0, 1) (a traced value is accepted as it is)."""
   b = _concrete_scalar(beta, name, "beta (the momentum)")
   if b is not None and not (np.isfinite(b) and 0 <= b < 1):
-    raise ValueError(f"{name}: beta (the momentum) must be in [0, 1), got {_shown(beta)}")
+    raise ValueError(f"{name}: beta (the momentum) must be in [0, 1), {_got(beta)}")

@@ -236,9 +236,23 @@ def test_the_participation_mask_has_one_entry_per_node_in_both_forms():
   for other in outs[1:]:
     for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(outs[0])):
       np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
-  with pytest.raises(ValueError, match=r"gj.chain: the extra argument up is one value per node, so it needs a "
-                                       r"leading axis of 4 \(shape \(4, \.\.\.\)\); got shape \(\)"):
+  with pytest.raises(ValueError, match=r"^gj\.chain: up must be a bool array with one entry per node, of shape \(4,\), "
+                                       r"got bool of shape \(\)$"):
     mapped.update(grads[0], mapped.init(params), params, up=True)
+
+
+@pytest.mark.parametrize("up", [jnp.ones((N, 2), bool), jnp.ones(N - 1, bool), jnp.ones(N), jnp.asarray(True)],
+                         ids=["one-row-per-node", "too-few", "float", "scalar"])
+def test_gj_chain_refuses_the_up_masks_the_bare_method_refuses_in_its_words(up):
+  params, grads = _params_grads(6, steps=1)
+  bare, mapped = gj.diloco(optax.sgd(0.1), inner_steps=2), gj.chain(gj.diloco(optax.sgd(0.1), inner_steps=2))
+  messages = []
+  for tx, name in ((bare, "gj.diloco"), (mapped, "gj.chain")):
+    with pytest.raises(ValueError) as e:
+      tx.update(grads[0], tx.init(params), params, up=up)
+    assert str(e.value).startswith(f"{name}: up must be a bool array with one entry per node, of shape ({N},), got ")
+    messages.append(str(e.value).removeprefix(f"{name}: "))
+  assert messages[0] == messages[1]
 
 
 def test_a_gated_nodes_nan_never_reaches_its_neighbours():

@@ -1,5 +1,7 @@
 """Inputs are checked where they enter, with errors that say what is wrong."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -285,3 +287,62 @@ def test_hyperparameters_take_numpy_scalars_and_refuse_out_of_range_with_the_doc
     message = str(e.value)
     assert message.startswith(f"gj.{name}: {arg}"), message
     assert allowed in message and "got" in message, message
+
+
+# The hyperparameters a method also takes one value per node (an array of shape (n,)).
+_PER_NODE = {"beta", "consensus_step", "alpha", "center_rate", "mixing", "outer_momentum"}
+_PER_NODE_RANGES = [row for row in HYPERPARAMETERS if row[2] in _PER_NODE]
+
+
+@pytest.mark.parametrize("name, make, arg, good, bad, allowed", _PER_NODE_RANGES,
+                         ids=[f"{name}-{arg}-{good}" for name, _, arg, good, _, _ in _PER_NODE_RANGES])
+def test_a_per_node_hyperparameter_is_checked_entry_by_entry_naming_the_node(name, make, arg, good, bad, allowed):
+  make(**{arg: jnp.full(8, float(good))})  # every entry in range: taken
+  for value in bad:
+    with pytest.raises(ValueError) as e:
+      make(**{arg: jnp.full(8, float(good)).at[3].set(value)})
+    message = str(e.value)
+    assert message.startswith(f"gj.{name}: {arg}") and allowed in message, message
+    assert message.endswith(f"got {float(value)} at node 3"), message
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_LEARNING_RATE))
+@pytest.mark.parametrize("lr, match", [
+    (-0.1, "learning_rate must be non-negative, got -0.1 at node 5 (a negative rate ascends the loss)"),
+    (float("nan"), "learning_rate must be finite, got nan at node 5"),
+])
+def test_a_per_node_learning_rate_is_checked_entry_by_entry(name, lr, match):
+  with pytest.raises(ValueError, match=rf"^gj\.{name}: {re.escape(match)}$"):
+    EVERY_LEARNING_RATE[name](learning_rate=jnp.full(8, 0.1).at[5].set(lr))
+
+
+def test_per_node_outer_rates_are_checked_entry_by_entry():
+  with pytest.raises(ValueError, match=r"^gj\.diloco: outer_momentum must be in \[0, 1\), got 1\.2 at node 0$"):
+    gj.diloco(optax.sgd(0.1), inner_steps=2, outer_momentum=jnp.full(4, 1.2))
+  with pytest.raises(ValueError, match=r"^gj\.streaming_diloco: outer_learning_rate must be non-negative, got -1\.0 "
+                                       r"at node 2"):
+    _streaming(outer_learning_rate=jnp.array([0.7, 0.7, -1.0, 0.7]))
+
+
+def test_per_node_values_set_under_inject_hyperparams_are_checked_where_they_are_concrete():
+  x = jnp.zeros((8, 2))
+  betas = jnp.array([0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 1.5, 0.9])
+  injected = optax.inject_hyperparams(gj.gossip_sgd)
+  message = r"^gj\.gossip_sgd: beta \(the momentum\) must be in \[0, 1\), got 1\.5 at node 6$"
+  with pytest.raises(ValueError, match=message):
+    injected(RING, beta=betas, learning_rate=0.1).init(x)  # given per node: checked at init
+  tx = injected(RING, beta=0.9, learning_rate=0.1)
+  state = optax.tree_utils.tree_set(tx.init(x), beta=betas)  # set per node: checked at the next (eager) update
+  with pytest.raises(ValueError, match=message):
+    tx.update(x, state, x)
+  with pytest.raises(ValueError, match=r"^gj\.gossip_sgd: beta \(the momentum\) must be in \[0, 1\), got 1\.5$"):
+    tx.update(x, optax.tree_utils.tree_set(tx.init(x), beta=1.5), x)  # as a scalar set the same way
+  good = optax.tree_utils.tree_set(tx.init(x), beta=jnp.linspace(0.0, 0.9, 8))
+  assert jax.tree.leaves(tx.update(x, good, x)[0])[0].shape == (8, 2)
+
+
+def test_the_overlap_bound_is_inner_steps_over_num_fragments_unfloored():
+  gj.streaming_diloco(optax.sgd(0.1), num_fragments=3, inner_steps=10, overlap=3)  # 3 < 10 / 3
+  with pytest.raises(ValueError, match=r"^gj\.streaming_diloco: overlap must be an integer in "
+                                       r"\[0, inner_steps / num_fragments\) = \[0, 10/3 = 3\.33\), got 4$"):
+    gj.streaming_diloco(optax.sgd(0.1), num_fragments=3, inner_steps=10, overlap=4)

@@ -18,6 +18,7 @@ from jax import lax
 
 from gossipjax._axis import mapping
 from gossipjax._guard import SkipNodes
+from gossipjax._validation import check_node_mask
 from gossipjax.mixing import Backend
 from gossipjax.mixing._collectives import node_average, node_fractions, node_shape
 
@@ -25,10 +26,7 @@ from gossipjax.mixing._collectives import node_average, node_fractions, node_sha
 def node_mask(up: Any, params: Any, name: str) -> jax.Array:
   """``up`` as a bool per node, checked against the node axis of ``params``."""
   mask = jnp.asarray(up)
-  want = node_shape(params)
-  if mask.dtype != jnp.bool_ or mask.shape != want:
-    raise ValueError(f"{name}: up must be a bool array with one entry per node, of shape {want}, got "
-                     f"{mask.dtype} of shape {mask.shape}")
+  check_node_mask(mask, node_shape(params), name)
   return mask
 
 

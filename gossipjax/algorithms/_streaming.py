@@ -263,9 +263,11 @@ def streaming_diloco(
   if not isinstance(period, int) or period < num_fragments:
     raise ValueError(f"{name}: inner_steps must be an integer of at least num_fragments ({num_fragments}), "
                      f"got {inner_steps!r}")
-  if not is_integer(overlap) or not 0 <= overlap < period // num_fragments:
-    raise ValueError(f"{name}: overlap must be an integer in [0, inner_steps / num_fragments) = "
-                     f"[0, {period // num_fragments}), got {overlap!r}")
+  if not is_integer(overlap) or not (0 <= overlap and overlap * num_fragments < period):  # tau < H / F, exactly
+    bound = (f"{period // num_fragments}" if period % num_fragments == 0
+             else f"{period}/{num_fragments} = {period / num_fragments:.2f}")
+    raise ValueError(f"{name}: overlap must be an integer in [0, inner_steps / num_fragments) = [0, {bound}), "
+                     f"got {overlap!r}")
   overlap = int(overlap)
   check_in_range(mixing, name, "mixing", 0.0, 1.0)
   if fragment_split not in FRAGMENT_SPLITS:

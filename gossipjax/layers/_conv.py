@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from typing import Any, Literal, Sequence
 
 import jax
@@ -18,7 +19,9 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 WEIGHT_GRADS = ("auto", "shifted", "xla")
+PADDINGS = ("SAME", "SAME_LOWER", "VALID")
 _LOW_PRECISION = (jnp.bfloat16, jnp.float16)
+_NAME = "gj.layers.conv_general_dilated"
 
 
 def conv_general_dilated(
@@ -97,7 +100,12 @@ def conv_general_dilated(
     True
   """
   if weight_grad not in WEIGHT_GRADS:
-    raise ValueError(f"weight_grad must be one of {WEIGHT_GRADS}, got {weight_grad!r}")
+    raise ValueError(f"{_NAME}: weight_grad must be one of {WEIGHT_GRADS}, got {weight_grad!r}")
+  spatial = len(lhs.shape) - 2
+  window_strides = _positive_ints(window_strides, "window_strides", spatial)
+  padding = _checked_padding(padding, spatial)
+  lhs_dilation = None if lhs_dilation is None else _positive_ints(lhs_dilation, "lhs_dilation", spatial)
+  rhs_dilation = None if rhs_dilation is None else _positive_ints(rhs_dilation, "rhs_dilation", spatial)
   xla = functools.partial(
       lax.conv_general_dilated, window_strides=window_strides, padding=padding, lhs_dilation=lhs_dilation,
       rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
@@ -114,18 +122,55 @@ def conv_general_dilated(
   return lax.platform_dependent(lhs, rhs, cuda=shifted, rocm=shifted, default=xla)
 
 
+def _integers(value: Any) -> tuple[int, ...] | None:
+  """``value`` as a tuple of ints (anything ``operator.index`` reads, as lax does); ``None`` if it is not one."""
+  if isinstance(value, str):
+    return None
+  try:
+    return tuple(operator.index(v) for v in value)
+  except TypeError:
+    return None
+
+
+def _positive_ints(value: Any, arg: str, spatial: int) -> tuple[int, ...]:
+  """Strides or dilations: one positive integer per spatial dimension."""
+  entries = _integers(value)
+  want = f"a sequence of {spatial} positive integers, one per spatial dimension"
+  if entries is None:
+    raise TypeError(f"{_NAME}: {arg} must be {want}, got {value!r}")
+  if len(entries) != spatial or any(e < 1 for e in entries):
+    raise ValueError(f"{_NAME}: {arg} must be {want}, got {value!r}")
+  return entries
+
+
+def _checked_padding(padding: Any, spatial: int) -> str | tuple[tuple[int, int], ...]:
+  """A padding name (any case, as lax reads it), or one ``(low, high)`` pair of integers per spatial dimension."""
+  want = f"one of {PADDINGS} or a sequence of {spatial} (low, high) pairs of integers, one per spatial dimension"
+  if isinstance(padding, str):
+    if padding.upper() not in PADDINGS:
+      raise ValueError(f"{_NAME}: padding must be {want}, got {padding!r}")
+    return padding
+  try:
+    pairs = [_integers(pair) for pair in padding]
+  except TypeError:  # not a sequence at all (an int)
+    pairs = [None]
+  if any(pair is None for pair in pairs):
+    raise TypeError(f"{_NAME}: padding must be {want}, got {padding!r}")
+  pads = tuple((pair[0], pair[1]) for pair in pairs if pair is not None and len(pair) == 2)
+  if len(pads) != spatial or len(pads) != len(pairs):
+    raise ValueError(f"{_NAME}: padding must be {want}, got {padding!r}")
+  return pads
+
+
 def _spec(lhs_shape, rhs_shape, strides, padding, dimension_numbers):
   """The geometry, normalised and hashable: dimension numbers, strides, explicit pads, kernel and output sizes."""
   dn = lax.conv_dimension_numbers(lhs_shape, rhs_shape, dimension_numbers)
-  spatial = len(lhs_shape) - 2
   in_sizes = tuple(lhs_shape[d] for d in dn.lhs_spec[2:])
   kernel = tuple(rhs_shape[d] for d in dn.rhs_spec[2:])
-  if len(strides) != spatial:
-    raise ValueError(f"window_strides must have one entry per spatial dimension ({spatial}), got {strides}")
   if isinstance(padding, str):
     pads = tuple(lax.padtype_to_pads(in_sizes, kernel, strides, padding))
   else:
-    pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+    pads = tuple(padding)
   out = tuple((n + lo + hi - k) // s + 1 for n, (lo, hi), k, s in zip(in_sizes, pads, kernel, strides))
   return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec), strides, pads, kernel, out
 

@@ -6,6 +6,7 @@ chooses XLA's form; the compiled and the cuda-exported programs show which form 
 
 import functools
 import re
+from typing import Any
 
 import jax
 import jax.flatten_util
@@ -75,6 +76,48 @@ def test_auto_on_cpu_is_xla_and_values_match():
 def test_a_bad_weight_grad_is_named():
   with pytest.raises(ValueError, match=r"weight_grad must be one of \('auto', 'shifted', 'xla'\), got 'fast'"):
     gj.layers.conv_general_dilated(jnp.ones((1, 4, 1)), jnp.ones((3, 1, 1)), (1,), "SAME", weight_grad="fast")
+
+
+_BAD_GEOMETRY = [  # (argument, value, error, what the message says it must be)
+    ("window_strides", (0, 1), ValueError, "a sequence of 2 positive integers, one per spatial dimension, got (0, 1)"),
+    ("window_strides", (-1, 1), ValueError, "a sequence of 2 positive integers"),
+    ("window_strides", (1,), ValueError, "a sequence of 2 positive integers, one per spatial dimension, got (1,)"),
+    ("window_strides", (1.5, 1), TypeError, "a sequence of 2 positive integers"),
+    ("window_strides", 1, TypeError, "a sequence of 2 positive integers, one per spatial dimension, got 1"),
+    ("padding", ((1, 1, 1), (1, 1, 1)), ValueError, "a sequence of 2 (low, high) pairs of integers, one per spatial "
+     "dimension, got ((1, 1, 1), (1, 1, 1))"),
+    ("padding", ((1, 1),), ValueError, "a sequence of 2 (low, high) pairs"),
+    ("padding", (1, 1), TypeError, "a sequence of 2 (low, high) pairs"),
+    ("padding", ((1.5, 1), (1, 1)), TypeError, "a sequence of 2 (low, high) pairs"),
+    ("padding", 1, TypeError, "a sequence of 2 (low, high) pairs"),
+    ("padding", "FULL", ValueError, "one of ('SAME', 'SAME_LOWER', 'VALID') or a sequence of 2 (low, high) pairs"),
+    ("lhs_dilation", (0, 1), ValueError, "a sequence of 2 positive integers, one per spatial dimension, got (0, 1)"),
+    ("rhs_dilation", (0, 1), ValueError, "a sequence of 2 positive integers"),
+    ("rhs_dilation", (1,), ValueError, "a sequence of 2 positive integers, one per spatial dimension, got (1,)"),
+    ("rhs_dilation", (1.5, 1), TypeError, "a sequence of 2 positive integers"),
+]
+
+
+@pytest.mark.parametrize("weight_grad", ["shifted", "xla"])
+@pytest.mark.parametrize("arg, value, error, must", _BAD_GEOMETRY, ids=lambda v: repr(v))
+def test_a_bad_stride_padding_or_dilation_is_named_in_one_line(arg, value, error, must, weight_grad):
+  kw: dict[str, Any] = {"window_strides": (1, 1), "padding": [(1, 1), (1, 1)], arg: value}
+  with pytest.raises(error) as e:
+    gj.layers.conv_general_dilated(jnp.ones((2, 6, 6, 3)), jnp.ones((3, 3, 3, 4)), **kw,
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC"), weight_grad=weight_grad)
+  message = str(e.value)
+  assert message.startswith(f"gj.layers.conv_general_dilated: {arg} must be ") and must in message
+  assert "\n" not in message
+
+
+@pytest.mark.parametrize("window_strides, padding", [
+    (np.array([2, 1]), "same"), ((np.int64(1), 2), "Same_Lower"), ([1, 1], [[1, 1], [0, 2]]),
+    ((1, 1), np.array([[1, 1], [-1, 0]])),
+])
+def test_what_lax_accepts_is_accepted_alike(window_strides, padding):
+  x, w = _random((2, 6, 6, 3), 0), _random((3, 3, 3, 4), 1)
+  kw = dict(window_strides=window_strides, padding=padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  np.testing.assert_allclose(shifted(x, w, **kw), lax.conv_general_dilated(x, w, **kw), rtol=0, atol=1e-12)
 
 
 def _per_node_loss(conv):
