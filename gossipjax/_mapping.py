@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
@@ -59,6 +61,20 @@ def _is_array(x: Any) -> bool:
 # The extra arguments of gossipjax's own transforms that carry one value per node.
 _PER_NODE_EXTRAS = frozenset({"up", "skip_nodes"})
 
+# While a mapping decides its layout (one abstract init), the per-node argument names that the
+# `gj.nodes` inside it declare: inside a mapping an inner `gj.nodes` is its transform itself, so
+# the outer one maps those arguments over the nodes for it.
+_DECLARED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("gossipjax_declared_args", default=None)
+
+
+@contextlib.contextmanager
+def _collecting(names: set[str]) -> Iterator[None]:
+  token = _DECLARED.set(names)
+  try:
+    yield
+  finally:
+    _DECLARED.reset(token)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
@@ -67,6 +83,7 @@ class _Layout:
   treedef: Any
   shared: tuple[bool, ...]
   one_node: tuple[tuple[int, ...], ...]  # each state leaf's shape for one node
+  per_node_args: frozenset[str]  # the extra arguments a gj.nodes inside declares per node
 
 
 class _NodeMap:
@@ -142,7 +159,9 @@ class _NodeMap:
     key = (jax.tree.structure(params), tuple((tuple(jnp.shape(x)), jnp.result_type(x)) for x in jax.tree.leaves(params)))
     found = self._layouts.get(key)
     if found is None:
-      stacked = jax.eval_shape(self._mapped(self.inner.init, 0, 0), params)
+      declared: set[str] = set()
+      with _collecting(declared):
+        stacked = jax.eval_shape(self._mapped(self.inner.init, 0, 0), params)
       unguarded = unguarded_under_gate(stacked)
       if unguarded and not self.axis.local:
         raise ValueError(f"{self.where}: optax.apply_if_finite around a gossipjax method whose exchange would pass "
@@ -150,11 +169,14 @@ class _NodeMap:
                          "method under gj.guard_finite instead, which skips a node's step for every method")
       leaves, treedef = jax.tree.flatten(stacked)
       found = self._layouts[key] = _Layout(treedef, tuple(shared_leaves(stacked)),
-                                           tuple(tuple(x.shape[1:]) for x in leaves))
+                                           tuple(tuple(x.shape[1:]) for x in leaves), frozenset(declared))
     return found
 
   def init(self, params: Any) -> Any:
     if mapping() is not None:
+      declared = _DECLARED.get()
+      if declared is not None:
+        declared.update(self.per_node_args)
       return self.inner.init(params)
     params = _materialize(params)
     _leading(params, self.where)
@@ -189,7 +211,8 @@ class _NodeMap:
         raise ValueError(f"{self.where}: state leaf {jax.tree_util.keystr(path)} has shape {shape}; expected {want}")
     return axes
 
-  def _extra_axes(self, extra: dict[str, Any], n: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+  def _extra_axes(self, extra: dict[str, Any], n: int,
+                  per_node_args: frozenset[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Extra arguments split into mapped ones (with their in_axes) and static ones (passed through)."""
     arrays, axes, static = {}, {}, {}
     for name, value in extra.items():
@@ -197,7 +220,7 @@ class _NodeMap:
       if not leaves or not all(_is_array(x) for x in leaves):
         static[name] = value  # a function (lbfgs's value_fn), None, a string: passed as it is
         continue
-      if name not in self.per_node_args:
+      if name not in per_node_args:
         arrays[name], axes[name] = jax.tree.map(jnp.asarray, value), jax.tree.map(lambda _: None, value)
         continue
       if isinstance(value, (list, tuple)) and all(np.ndim(v) == 0 for v in value):
@@ -223,7 +246,7 @@ class _NodeMap:
     n = _leading(updates, self.where)
     lay = self.layout(updates if params is None else params)
     state_axes = jax.tree.unflatten(lay.treedef, self._state_axes(state, lay, n))
-    arrays, extra_axes, static = self._extra_axes(extra_args, n)
+    arrays, extra_axes, static = self._extra_axes(extra_args, n, self.per_node_args | lay.per_node_args)
     in_axes = (0, state_axes, None if params is None else 0, extra_axes)
     out_axes = (0, jax.tree.unflatten(lay.treedef, [None if s else 0 for s in lay.shared]))
     statics = tuple(sorted(static.items()))
@@ -278,6 +301,7 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
   - **Extra arguments** of ``update`` are the same for every node unless named in
     ``per_node_args`` (then each has a leading node axis), whatever their shape; those of
     gossipjax's own methods that are per node (``up=``, ``skip_nodes=``) are always per node.
+    The names a `gj.nodes` or `gj.chain` inside ``tx`` declares are per node here too.
     An argument that is not an array (``optax.lbfgs``'s ``value_fn``) is passed as it is.
   - **Per-node gates.** A wrapper that skips a node's step (``optax.apply_if_finite``,
     ``optax.MultiSteps``) around a transform that gossips still runs the gossip for every

@@ -1,8 +1,8 @@
 """Collectives over the named node axis, implemented by the stacked kernels.
 
 Inside `gj.nodes` a transform sees one node; its all-reduce mean (and its gossip round, see
-`gossipjax.mixing._node_mixer`) are collectives over the axis ``"nodes"``. Each is a ``jax.custom_batching.custom_vmap`` whose
-batching rule receives the node-stacked values and calls the backend's stacked mixer or mean
+`gossipjax.mixing._node_mixer`) are collectives over the node axis that the mapping binds. Each is a
+``jax.custom_batching.custom_vmap`` (`node_collective`) whose batching rule receives the node-stacked values and calls the backend's stacked mixer or mean
 (the circulant rolls, sparse plans, step tables, buckets and compact wire stay the
 implementation), so the named form costs what the stacked call costs. The same functions
 called on stacked trees, outside any mapping, call the stacked kernels directly.
@@ -52,33 +52,95 @@ def check_same_backend(current: Mapping, backend: Any, name: str) -> None:
                    "(e.g. inside one `with gj.backend.use(b):` block)")
 
 
+# A collective's batching rule at the node axis: (number of nodes, which leaves of the args are
+# stacked over them, the args) -> (the result, which of its leaves are per node).
+NodeRule = Callable[[int, Any, Any], tuple[Any, Any]]
+
+# Each jax.vmap inside a node around a collective, outermost first: (its size, which leaves it batches).
+_Inner = tuple[tuple[int, Any], ...]
+
+
+def node_collective(one_node: Callable[[Any], Any], node_rule: NodeRule, args: Any) -> Any:
+  """A collective over the node axis: ``node_rule`` on the node-stacked ``args``, from one node's code.
+
+  A ``custom_vmap`` whose batching rule runs at the mapping's level: there ``args`` arrive
+  stacked over the nodes and ``node_rule(num_nodes, in_batched, args)`` returns the
+  stacked result and, for each leaf, whether it is per node. ``one_node(args)`` gives one
+  node's result shapes, for tracing.
+
+  Only the node axis is communicated over. A ``jax.vmap`` inside a node (a scanned model's
+  layer axis) is told apart by the node witness, which varies over the node axis alone: under
+  it the collective maps over that axis as any JAX function would (each layer's mean over the
+  nodes), by running ``node_rule`` under the same ``jax.vmap`` at the mapping's level.
+  """
+  return _bind(one_node, node_rule, args, _witness(), ())
+
+
+def _bind(one_node: Callable[[Any], Any], node_rule: NodeRule, args: Any, witness: jax.Array, inner: _Inner) -> Any:
+  @custom_vmap
+  def collective(args, witness):
+    del witness
+    return _over_inner(one_node, inner)(args)
+
+  @collective.def_vmap
+  def rule(axis_size, in_batched, args, witness):
+    b_args, b_witness = in_batched
+    if not b_witness:  # a vmap inside a node, not the node axis: bind again under it
+      out = _bind(one_node, node_rule, args, witness, ((axis_size, b_args),) + inner)
+      return out, jax.tree.map(lambda _: True, out)
+    with mapped(None):
+      return _at_nodes(node_rule, inner, axis_size, b_args, args)
+
+  return collective(args, witness)
+
+
+def _over_inner(fn: Callable[[Any], Any], inner: _Inner) -> Callable[[Any], Any]:
+  """``fn`` of one node's values under the vmaps ``inner`` (each inner axis leading, outermost first)."""
+  for size, batched in reversed(inner):
+    fn = jax.vmap(fn, in_axes=(jax.tree.map(lambda b: 0 if b else None, batched),), axis_size=size)
+  return fn
+
+
+def _at_nodes(node_rule: NodeRule, inner: _Inner, num_nodes: int, b_nodes: Any, args: Any) -> tuple[Any, Any]:
+  """``node_rule`` on the node-stacked ``args``, mapped over each inner vmap's axis (after the node axis)."""
+  if not inner:
+    return node_rule(num_nodes, b_nodes, args)
+  found: list[Any] = []
+
+  def stacked(args):
+    out, per_node = node_rule(num_nodes, b_nodes, args)
+    found.append(per_node)
+    return out
+
+  fn = stacked
+  for size, batched in reversed(inner):
+    axes = jax.tree.map(lambda node, b: (1 if node else 0) if b else None, b_nodes, batched)
+    fn = jax.vmap(fn, in_axes=(axes,), axis_size=size)
+  out = fn(args)
+  per_node = found[0]
+  # Each inner axis is leading (outermost first), as for one node; the node axis goes in front.
+  out = jax.tree.map(lambda x, node: jnp.moveaxis(x, len(inner), 0) if node else x, out, per_node)
+  return out, per_node
+
+
 def _collective(backend: Any, stacked_fn: Callable[[Any], Any], tree: Any, name: str,
                 per_node: bool = True, one_node: Callable[[Any], Any] = lambda tree: tree) -> Any:
   """``stacked_fn`` of the node-stacked ``tree``: called directly on stacked trees, inside a mapping a collective.
 
-  Inside a mapping, a ``custom_vmap`` whose batching rule stacks the nodes' values and calls
-  ``stacked_fn`` on them; its result is per node (``per_node``) or one value every node holds
-  (not batched). ``one_node`` gives the shapes of one node's result, for tracing.
+  Inside a mapping, a `node_collective` that stacks the nodes' values and calls ``stacked_fn``
+  on them; its result is per node (``per_node``) or one value every node holds (not batched).
+  ``one_node`` gives the shapes of one node's result, for tracing.
   """
   current = mapping()
   if current is None:
     return stacked_fn(tree)
   check_same_backend(current, backend, name)
 
-  @custom_vmap
-  def collective(tree, witness):
-    del witness
-    return one_node(tree)
-
-  @collective.def_vmap
-  def rule(axis_size, in_batched, tree, witness):
-    del witness
-    tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, in_batched[0])
-    with mapped(None):
-      out = stacked_fn(tree)
+  def rule(num_nodes, in_batched, tree):
+    out = stacked_fn(jax.tree.map(lambda x, b: _stacked(x, b, num_nodes), tree, in_batched))
     return out, jax.tree.map(lambda _: per_node, out)
 
-  return collective(tree, _witness())
+  return node_collective(one_node, rule, tree)
 
 
 def _method(backend: Any, method: str, name: str, what: str) -> Callable[[Any], Any]:

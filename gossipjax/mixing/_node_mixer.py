@@ -13,13 +13,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 
-from gossipjax._axis import mapped, mapping
+from gossipjax._axis import mapping
 from gossipjax.backend._base import Mixer
 from gossipjax.backend._block_plan import check_rounds_apart, rounds_alone
 from gossipjax.backend._buckets import Wire
-from gossipjax.mixing._collectives import _shared, _stacked, _witness, check_same_backend
+from gossipjax.mixing._collectives import _shared, _stacked, check_same_backend, node_collective
 from gossipjax.topology import Topology
 
 
@@ -95,29 +94,26 @@ class NodeMixer:
     if current is None:
       return call(tree, step, wire)
     check_same_backend(current, self.backend, self.name)
-    stacked = self.stacked
+    if current.num_nodes != self.local_nodes:
+      raise ValueError(f"{self.name}: params has a leading node axis of {current.num_nodes} (in {current.where}), but "
+                       f"{self.topology.name} expects {self.local_nodes} nodes on the leading axis (stack every "
+                       "node's params, e.g. with gj.init_nodes)")
+    # A static W needs no step: it is not read, so a stacked count costs no reduction.
+    reads_step = self.stacked.topology.is_time_varying or wire is not None
     parts = None if wire is None else wire.parts
     context = None if wire is None else wire.context
 
-    @custom_vmap
-    def gossip(tree, step, parts, context, witness):
-      del step, parts, context, witness
-      return shapes(tree)  # the shape only: under the mapping the rule below runs instead
-
-    @gossip.def_vmap
-    def rule(axis_size, in_batched, tree, step, parts, context, witness):
-      del witness
-      b_tree, b_step, b_parts, b_context, _ = in_batched
-      tree = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), tree, b_tree)
-      # A static W needs no step: it is not read, so a stacked count costs no reduction.
-      step = 0 if not stacked.topology.is_time_varying and wire is None else _shared(step, b_step)
-      with mapped(None):
-        if wire is None:
-          out = call(tree, step, None)
-        else:
-          parts = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), parts, b_parts)
-          context = jax.tree.map(_shared, context, b_context)
-          out = call(tree, step, Wire(parts, wire.decode, context))
+    def rule(num_nodes, in_batched, args):
+      tree, step, parts, context = args
+      b_tree, b_step, b_parts, b_context = in_batched
+      tree = jax.tree.map(lambda x, b: _stacked(x, b, num_nodes), tree, b_tree)
+      step = _shared(step, b_step) if reads_step else 0
+      if wire is None:
+        out = call(tree, step, None)
+      else:
+        parts = jax.tree.map(lambda x, b: _stacked(x, b, num_nodes), parts, b_parts)
+        context = jax.tree.map(_shared, context, b_context)
+        out = call(tree, step, Wire(parts, wire.decode, context))
       return out, jax.tree.map(lambda _: True, out)
 
-    return gossip(tree, jnp.asarray(step), parts, context, _witness())
+    return node_collective(lambda args: shapes(args[0]), rule, (tree, jnp.asarray(step), parts, context))

@@ -12,10 +12,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
 
 from gossipjax._axis import mapped, mapping
-from gossipjax.mixing._collectives import _stacked, _witness
+from gossipjax.mixing._collectives import _stacked, node_collective
 
 
 def on_nodes(fn: Callable[..., Any], backend: Any) -> Callable[..., Any]:
@@ -57,48 +56,36 @@ def stacked_transform(tx: Any, name: str) -> Any:
 
     size = mapping().num_nodes  # type: ignore[union-attr]  # inside a mapping, checked above
 
-    @custom_vmap
-    def init(params, witness):
+    def one_node(params):
       # Shapes only (the rule below runs under the mapping): the stacked state's, less the
       # node axis of its per-node leaves.
-      del witness
       stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((size,) + jnp.shape(x), x.dtype), params)
       with mapped(None):
         shapes = jax.eval_shape(tx.init, stacked)
       one = lambda x, per_node: jnp.zeros(x.shape[1:] if per_node else x.shape, x.dtype)
       return jax.tree.map(one, shapes, out_flags(shapes, size))
 
-    @init.def_vmap
-    def rule(axis_size, in_batched, params, witness):
-      del witness
-      params = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), params, in_batched[0])
-      with mapped(None):
-        state = _arrays(tx.init(params))
-      return state, out_flags(state, axis_size)
+    def rule(num_nodes, in_batched, params):
+      state = _arrays(tx.init(jax.tree.map(lambda x, b: _stacked(x, b, num_nodes), params, in_batched)))
+      return state, out_flags(state, num_nodes)
 
-    return init(params, _witness())
+    return node_collective(one_node, rule, params)
 
   def update_fn(updates, state, params=None, **extra_args):
     if mapping() is None:
       return tx.update(updates, state, params, **extra_args)
     extra_args = _arrays(extra_args)
 
-    @custom_vmap
-    def update(updates, state, params, extra, witness):
-      del params, extra, witness
-      return updates, state  # shapes only: an optax update keeps the shapes of both
-
-    @update.def_vmap
-    def rule(axis_size, in_batched, updates, state, params, extra, witness):
-      del witness
-      b_u, b_s, b_p, _, _ = in_batched
-      updates = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), updates, b_u)
+    def rule(num_nodes, in_batched, args):
+      updates, state, params, extra = args
+      b_u, b_s, b_p, _ = in_batched
+      updates = jax.tree.map(lambda x, b: _stacked(x, b, num_nodes), updates, b_u)
       if params is not None:
-        params = jax.tree.map(lambda x, b: _stacked(x, b, axis_size), params, b_p)
-      with mapped(None):
-        new, new_state = tx.update(updates, state, params, **extra)
+        params = jax.tree.map(lambda x, b: _stacked(x, b, num_nodes), params, b_p)
+      new, new_state = tx.update(updates, state, params, **extra)
       return (new, new_state), (jax.tree.map(lambda _: True, new), b_s)
 
-    return update(updates, state, params, extra_args, _witness())
+    # Shapes only: an optax update keeps the shapes of both.
+    return node_collective(lambda args: (args[0], args[1]), rule, (updates, state, params, extra_args))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
