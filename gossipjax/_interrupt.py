@@ -34,6 +34,7 @@ class Interruption:
   def __init__(self, message: Callable[[], str], grace: float = 3.0):
     self._message, self._grace = message, grace
     self._said = threading.Lock()
+    self.fired = False  # set once Ctrl-C came: whatever the main thread raises after it is the interruption
 
   def install(self) -> bool:
     """Blocks SIGINT in this thread and the threads it starts from now on, and starts the thread that waits for it.
@@ -49,6 +50,7 @@ class Interruption:
 
   def _wait(self) -> None:
     signal.sigwait({signal.SIGINT})
+    self.fired = True
     _thread.interrupt_main()  # the main thread unwinds at its next bytecode, through its finally blocks
     signal.sigtimedwait({signal.SIGINT}, self._grace)  # a second Ctrl-C ends it at once
     self.exit()

@@ -741,8 +741,8 @@ def main(argv: Sequence[str] | None = None) -> None:
       _fail(e, 2)
     except (JobError, CorruptCheckpointError, OSError) as e:
       _fail(e, 1, getattr(args, "log_file", None))
-    except KeyboardInterrupt:
-      if not caught:
+    except BaseException:  # a KeyboardInterrupt, or what it became (an ImportError of a module it cut short)
+      if not (caught and interruption.fired):
         raise
       interruption.exit()
 

@@ -65,8 +65,15 @@ def run(cmd: Sequence[object], timeout: float, cwd: Path | str | None = None,
 # What a metrics row measures of this machine (its wall clock, its throughput), not of the run: left out where
 # rows are compared exactly.
 MEASURED = ("wall_seconds", "tokens_per_second")
+# And what follows from a step time measured here (none given).
+TIMED = ("step_time", "sim_seconds")
 
 
 def exact(rows):
   """Metrics rows without their measurements of the machine, to compare runs as floats."""
   return [{k: v for k, v in row.items() if k not in MEASURED} for row in rows]
+
+
+def untimed(rows):
+  """Metrics rows without the machine's measurements and the simulated clock built on its measured step time."""
+  return [{k: v for k, v in row.items() if k not in MEASURED + TIMED} for row in rows]

@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from _launch import untimed
 from jax import lax
 
 import gossipjax as gj
@@ -26,4 +27,4 @@ def test_the_main_jobs_cnn_trains_to_the_same_numbers():
   assert jax.tree.leaves(state.params)[0].dtype == np.float64
   for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
     np.testing.assert_array_equal(got, want)
-  assert history == ref_history
+  assert untimed(history) == untimed(ref_history)  # every metric of the run equal as floats

@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from _launch import untimed
 
 from gossipjax import cli
 from gossipjax.train import _job
@@ -47,5 +48,5 @@ def test_resume_after_a_clean_stop_equals_the_uninterrupted_run(tmp_path, backen
   assert set(got) == set(want) == {"dmsgd/ring", "diloco"}, set(got)
   for name in want:
     assert [r["step"] for r in got[name]] == [r["step"] for r in want[name]] == [3, 6]
-    assert got[name] == want[name], name
+    assert untimed(got[name]) == untimed(want[name]), name  # every metric of the run equal as floats
     jax.tree.map(np.testing.assert_array_equal, saved[name, 6], want_params[name])
