@@ -90,3 +90,38 @@ def test_interrupts_around_checkpoint_writes_then_resume_equal_an_uninterrupted_
   rows = _rows(out)
   assert [r["step"] for r in rows] == list(range(5, 105, 5))
   assert exact(rows) == exact(_rows(tmp_path / "straight"))  # every metric equal as floats, every row once
+
+
+_EARLY_THREAD = """
+import signal, sys, threading, time
+from gossipjax._interrupt import Interruption
+started = threading.Event()
+def early():  # a thread an import started before the command line blocked SIGINT: it still takes the signal
+  started.set()
+  threading.Event().wait()
+thread = threading.Thread(target=early, daemon=True)
+thread.start()
+started.wait()
+interruption = Interruption(lambda: "interrupted at step 7")
+assert interruption.install()
+try:
+  try:
+    signal.pthread_kill(thread.ident, signal.SIGINT)
+    end = time.monotonic() + 20
+    while time.monotonic() < end:  # Python code: it unwinds at once
+      pass
+  finally:
+    print("unwound", flush=True)
+except KeyboardInterrupt:  # as gossipjax.cli.main does
+  assert interruption.fired
+  interruption.exit()
+"""
+
+
+def test_ctrl_c_taken_by_a_thread_started_before_the_command_line_is_one_line_and_status_130():
+  started = time.monotonic()
+  proc = subprocess.run([str(BIN / "python"), "-c", _EARLY_THREAD], capture_output=True, text=True, timeout=60,
+                        env=environment())
+  assert time.monotonic() - started < 15, proc
+  assert proc.returncode == 130 and proc.stderr == "interrupted at step 7\n", proc
+  assert proc.stdout == "unwound\n", proc  # the main thread ran its finally blocks first
