@@ -66,7 +66,7 @@ def test_the_benchmarks_page_opens_with_its_headline_table_and_stays_short():
   anchors = {slug(s[4:]) for s in sections[1:]}
   linked = set(re.findall(r"^\| \[[^]]+\]\(#([^)]+)\)", "\n".join(table), re.M))
   assert linked == anchors  # one row per section, and each row reaches its section
-  for name in ("communication", "scale"):
+  for name in ("communication", "scale", "lm_step"):
     assert f"(benchmarks_{name}.md)" in "\n".join(page)
     assert pages[ROOT / "docs" / "results" / f"benchmarks_{name}.md"].startswith("# ")
 
