@@ -38,6 +38,9 @@ class Interruption:
     self._message, self._grace = message, grace
     self._said = threading.Lock()
     self._raised = False
+    self._write = -1
+    self._again = False  # the interruption is to be raised again in the main thread
+    self._echoes = 0  # the calls of interrupt_main: each writes a SIGINT to the wake-up pipe too
     self.fired = False  # set once Ctrl-C came: whatever the main thread raises after it is the interruption
 
   def install(self) -> bool:
@@ -50,9 +53,11 @@ class Interruption:
       return False
     read, write = os.pipe()
     os.set_blocking(write, False)
+    self._write = write
     # Python's C-level handler, in whichever thread takes the signal, writes its number here.
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     signal.signal(signal.SIGINT, self._handle)
+    self._unraisable, sys.unraisablehook = sys.unraisablehook, self._ignored
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     threading.Thread(target=self._wait, args=(read,), name="gossipjax-interrupt", daemon=True).start()
     return True
@@ -60,30 +65,56 @@ class Interruption:
   def _handle(self, signum, frame) -> None:
     # Run by Python in the main thread, for the signal and for the waiting thread's interrupt_main:
     # the interruption, once, after the waiting thread has marked it.
-    if self.fired and not self._raised:
-      self._raised = True
-      raise KeyboardInterrupt
+    if not self.fired or self._raised:
+      return
+    if frame is not None and frame.f_code is _IGNORED:  # what the hook raised would be printed: raise it after
+      self._again_after()
+      return
+    self._raised = True
+    raise KeyboardInterrupt
+
+  def _ignored(self, unraisable) -> None:
+    # The interruption raised where Python ignores exceptions (a garbage-collection callback, a
+    # __del__): not printed, and raised again once this hook has returned (the waiting thread
+    # does it, woken by a byte that is no signal's).
+    if self.fired and isinstance(unraisable.exc_value, KeyboardInterrupt):
+      self._raised = False
+      self._again_after()
+      return
+    self._unraisable(unraisable)
+
+  def _again_after(self) -> None:
+    self._again = True
+    os.write(self._write, b"\0")
 
   def _wait(self, read: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a thread that takes it, in any process
     self._next(read, None)
     self.fired = True
-    # The main thread unwinds at its next bytecode, through its finally blocks. This goes through
-    # Python's handler, which writes to the pipe too: a byte that is not a second Ctrl-C.
-    _thread.interrupt_main()
-    self._next(read, self._grace, skip=1)  # a second Ctrl-C ends it at once
+    self._interrupt_main()  # the main thread unwinds at its next bytecode, through its finally blocks
+    self._next(read, self._grace)  # a second Ctrl-C ends it at once
     self.exit()
 
-  @staticmethod
-  def _next(read: int, timeout: float | None, skip: int = 0) -> None:
-    """Waits for the SIGINT after the next ``skip`` on the wake-up pipe, at most ``timeout`` seconds."""
+  def _interrupt_main(self) -> None:
+    # Through Python's handler, which writes to the pipe too: a byte that is not a Ctrl-C.
+    self._echoes += 1
+    _thread.interrupt_main()
+
+  def _next(self, read: int, timeout: float | None) -> None:
+    """Waits for the next SIGINT on the wake-up pipe that is a Ctrl-C, at most ``timeout`` seconds."""
     end = None if timeout is None else time.monotonic() + timeout
     while True:
       left = None if end is None else max(end - time.monotonic(), 0.0)
       if not select.select([read], [], [], left)[0]:
         return
-      skip -= os.read(read, 64).count(int(signal.SIGINT))
-      if skip < 0:
+      got = os.read(read, 64)
+      if self._again:
+        self._again = False
+        self._interrupt_main()
+      heard = got.count(int(signal.SIGINT))
+      taken = min(heard, self._echoes)
+      self._echoes -= taken
+      if heard > taken:
         return
 
   def exit(self) -> None:
@@ -98,3 +129,6 @@ class Interruption:
       sys.stderr.flush()
       os._exit(STATUS)
     threading.Event().wait()  # the other thread is printing and exiting
+
+
+_IGNORED = Interruption._ignored.__code__
