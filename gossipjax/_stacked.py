@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -215,13 +216,15 @@ def nonfinite_nodes(tree: Any) -> np.ndarray:
     >>> gj.nonfinite_nodes(jnp.array([[1.0, 2.0], [jnp.nan, 0.0], [0.0, jnp.inf]])).tolist()
     [1, 2]
   """
-  bad = None
-  for _, x in _node_leaves(tree, "gj.nonfinite_nodes"):
-    if not _is_float(x):
-      continue
-    b = ~jnp.isfinite(x).all(axis=tuple(range(1, x.ndim)))  # a reduction, not a reshape: a leaf may be model-split
-    bad = b if bad is None else bad | b
-  return np.flatnonzero(np.asarray(bad)) if bad is not None else np.array([], int)
+  floats = [x for _, x in _node_leaves(tree, "gj.nonfinite_nodes") if _is_float(x)]
+  return np.flatnonzero(np.asarray(_nonfinite_mask(floats))) if floats else np.array([], int)
+
+
+@jax.jit
+def _nonfinite_mask(leaves: list[jax.Array]) -> jax.Array:
+  # One program for the whole tree (not a few per leaf, eagerly).
+  bad = [~jnp.isfinite(x).all(axis=tuple(range(1, x.ndim))) for x in leaves]  # a reduction: a leaf may be model-split
+  return functools.reduce(jnp.logical_or, bad)
 
 
 def check_finite(tree: Any, step: int, what: str = "params") -> None:

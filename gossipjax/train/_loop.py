@@ -240,7 +240,9 @@ def init_state(cfg: RunConfig, dataset: Dataset, model: Any, tx: optax.GradientT
   """
   tx = guarded(tx, cfg)
   key = jax.random.fold_in(jax.random.key(cfg.seed), 0)
-  params = init_nodes(lambda k: model.init(k, jnp.asarray(dataset.x_test[:1])), key, cfg.num_nodes)
+  # One compiled program, not one per operation of the model's init.
+  params = jax.jit(lambda k, x: init_nodes(lambda k1: model.init(k1, x), k, cfg.num_nodes))(
+      key, jnp.asarray(dataset.x_test[:1]))
   params = Placement(backend or simulate(), cfg.num_nodes).place(params)
   return TrainState(0, params, tx.init(params))
 
