@@ -240,11 +240,22 @@ def init_state(cfg: RunConfig, dataset: Dataset, model: Any, tx: optax.GradientT
   """
   tx = guarded(tx, cfg)
   key = jax.random.fold_in(jax.random.key(cfg.seed), 0)
-  # One compiled program, not one per operation of the model's init.
-  params = jax.jit(lambda k, x: init_nodes(lambda k1: model.init(k1, x), k, cfg.num_nodes))(
-      key, jnp.asarray(dataset.x_test[:1]))
+  x = jnp.asarray(dataset.x_test[:1])
+  try:
+    hash(model)
+  except TypeError:  # a model that does not hash: compiled for this run alone
+    params = jax.jit(lambda k, x: init_nodes(lambda k1: model.init(k1, x), k, cfg.num_nodes))(key, x)
+  else:
+    params = _init_params(model, key, x, cfg.num_nodes)
   params = Placement(backend or simulate(), cfg.num_nodes).place(params)
   return TrainState(0, params, tx.init(params))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _init_params(model: Any, key: jax.Array, x: jax.Array, num_nodes: int) -> Any:
+  # One compiled program, not one per operation of the model's init; compiled once per model
+  # (flax modules hash by their fields), so the runs of a job share it.
+  return init_nodes(lambda k: model.init(k, x), key, num_nodes)
 
 
 def _evaluate_fn(model: Any, params: Any, node_losses: jax.Array, x_test: jax.Array, y_test: jax.Array) -> dict:
