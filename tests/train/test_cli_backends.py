@@ -7,7 +7,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from _launch import BIN, MEASURED, exact, untimed
+from _launch import BIN, MEASURED, untimed
 from _launch import run as run_command
 
 
