@@ -67,7 +67,7 @@ class Interruption:
     # the interruption, once, after the waiting thread has marked it.
     if not self.fired or self._raised:
       return
-    if frame is not None and frame.f_code is _IGNORED:  # what the hook raised would be printed: raise it after
+    if _inside_the_hook(frame):  # what the hook raised would be printed: raise it after
       self._again_after()
       return
     self._raised = True
@@ -132,3 +132,12 @@ class Interruption:
 
 
 _IGNORED = Interruption._ignored.__code__
+
+
+def _inside_the_hook(frame) -> bool:
+  """Whether ``frame`` runs inside `Interruption._ignored` (in it, or in what it calls)."""
+  while frame is not None:
+    if frame.f_code is _IGNORED:
+      return True
+    frame = frame.f_back
+  return False
