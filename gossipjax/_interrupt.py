@@ -7,8 +7,9 @@ tracebacks or waits for them. So the command line blocks SIGINT in its threads, 
 thread of its own hears it through Python's signal wake-up pipe, whichever thread the
 signal reached (one started by an import before the block still takes it): it raises
 ``KeyboardInterrupt`` in the main thread (which unwinds, releasing the job's lock), and ends
-the process after a grace period, or at a second Ctrl-C, whatever the main thread is doing. What the job leaves is what a kill leaves:
-every save is atomic, so ``--resume`` continues exactly from the last checkpoint.
+the process after a grace period, or at a second Ctrl-C, whatever the main thread is doing.
+What the job leaves is what a kill leaves: every save is atomic, so ``--resume`` continues
+exactly from the last checkpoint.
 """
 
 from __future__ import annotations
