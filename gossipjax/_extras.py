@@ -1,7 +1,7 @@
 """What the core install leaves out: the main job's dependencies, installed by the ``train`` extra.
 
 ``pip install gossipjax`` brings what the optimizers and topologies need (jax, optax, numpy,
-scipy). The main job and the studies (``gossipjax.train``, the CLI), checkpoints and the bundled
+scipy, lazy_loader). The main job and the studies (``gossipjax.train``, the CLI), checkpoints and the bundled
 digits need more; ``pip install 'gossipjax[train]'`` (``make demo`` in a checkout) installs it.
 """
 

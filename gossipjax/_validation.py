@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gossipjax._axis import mapping
+from gossipjax._limits import MAX_PERIOD
 
 
 def check_in_range(value: Any, name: str, arg: str, low: float, high: float, low_open: bool = False,
@@ -74,7 +75,6 @@ def _got(value: Any) -> str:
   return f"got {_shown(value)}" + ("" if node is None else f" at node {node}")
 
 
-MAX_PERIOD = 2**31 - 1  # the largest period an int32 step counter reaches
 
 
 def check_period(value: Any, name: str, arg: str = "every") -> int | jax.Array:

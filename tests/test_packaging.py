@@ -55,7 +55,7 @@ def test_no_module_of_gossipjax_imports_a_private_module_of_another_package():
 # The core install: what `pip install gossipjax` brings. The child below runs on a site-packages
 # that holds only those distributions (links into this environment's), with Python's own
 # site-packages off (-S), so flax, scikit-learn, matplotlib, tqdm and orbax are truly absent.
-CORE = {"jax", "optax", "numpy", "scipy"}
+CORE = {"jax", "optax", "numpy", "scipy", "lazy-loader"}
 
 _CORE_CHILD = textwrap.dedent("""
     import importlib, importlib.util, pkgutil
@@ -138,7 +138,7 @@ def _distribution_closure(names):
   return found
 
 
-def test_the_core_install_is_jax_optax_numpy_and_scipy():
+def test_the_core_install_is_jax_optax_numpy_scipy_and_lazy_loader():
   from packaging.utils import canonicalize_name
 
   assert {canonicalize_name(r.name) for r in _core_requirements()} == CORE
@@ -158,3 +158,19 @@ def test_a_core_only_install_imports_every_module_and_steps_every_algorithm(tmp_
                        text=True, timeout=180)
   assert res.returncode == 0, res.stderr[-3000:]
   assert "core ok: 17 methods" in res.stdout
+
+
+def test_the_lazy_packages_export_what_their_stubs_declare_and_import_nothing_heavy():
+  """A name in a package's ``__init__.pyi`` imports (what `import gossipjax` loads on first use) is in its
+  ``__all__`` there (what a type checker sees), and ``import gossipjax`` loads no JAX."""
+  import ast
+
+  for package in (PACKAGE, PACKAGE / "train"):
+    tree = ast.parse((package / "__init__.pyi").read_text())
+    imported = {a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    declared = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                    and any(getattr(t, "id", None) == "__all__" for t in node.targets))
+    assert imported == set(declared), (package.name, imported ^ set(declared))
+  child = "import sys, gossipjax, gossipjax.train\nprint(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))"
+  res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+  assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr[-2000:]

@@ -8,29 +8,8 @@ from gossipjax._extras import require_train_extra
 
 require_train_extra("gossipjax.train")  # one message naming the extra, not the first missing module
 
-from gossipjax.train._loop import (  # noqa: E402
-    RunConfig, TrainState, accuracy, cross_entropy, guarded, init_state, run, timed_run)
-from gossipjax.train._models import CNN, GPT, MLP  # noqa: E402
-from gossipjax.train._registry import ALGORITHMS, TOPOLOGIES, make_algorithm, make_topology  # noqa: E402
-from gossipjax.train._report import plot, result_table, write_metrics  # noqa: E402
+import lazy_loader  # noqa: E402
 
-__all__ = (
-    "ALGORITHMS",
-    "CNN",
-    "GPT",
-    "MLP",
-    "RunConfig",
-    "TOPOLOGIES",
-    "TrainState",
-    "accuracy",
-    "cross_entropy",
-    "guarded",
-    "init_state",
-    "make_algorithm",
-    "make_topology",
-    "plot",
-    "result_table",
-    "run",
-    "timed_run",
-    "write_metrics",
-)
+# Each name (listed, with its module, in __init__.pyi) is imported on first use: the command line
+# lists the algorithms (`gossipjax.train._names`) without importing JAX.
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

@@ -305,3 +305,21 @@ def test_top_level_help_is_plain_text(capsys):
     cli.main(["--help"])
   text = capsys.readouterr().out
   assert "gossipjax train: compare decentralized algorithms" in text and "``" not in text
+
+
+def test_help_answers_without_importing_jax_and_lists_every_registered_name():
+  """`gossipjax train --help` reads the names of `gossipjax.train._names`, which the registries' keys equal."""
+  import subprocess
+  import sys
+
+  from gossipjax.train import ALGORITHMS, TOPOLOGIES
+  from gossipjax.train import _names, _registry
+
+  assert _names.ALGORITHM_NAMES == tuple(ALGORITHMS) and _names.TOPOLOGY_NAMES == tuple(TOPOLOGIES)
+  assert _names.COMPRESSOR_NAMES == tuple(_registry.COMPRESSORS)
+  child = ("import sys\nfrom gossipjax import cli\ntry:\n  cli.main(['train', '--help'])\nexcept SystemExit:\n  pass\n"
+           "print('loaded:', sorted(m for m in ('jax', 'flax', 'optax', 'numpy') if m in sys.modules))")
+  res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert "--algorithms" in res.stdout and "streaming_diloco" in res.stdout and "random_pairs" in res.stdout
+  assert res.stdout.strip().splitlines()[-1] == "loaded: []"
