@@ -21,7 +21,7 @@ import time
 from benchmarks import _timing
 
 SUITE = ("optimizer_bandwidth", "dmsgd_step", "memory", "compile_time", "throughput", "node_parallel",
-         "named_axis", "mapping_overhead", "resnet20_gpu", "lm_step")
+         "named_axis", "mapping_overhead", "resnet20_gpu", "lm_step", "per_node_conv")
 OPTIONAL = ("mpi_gossip",)
 
 

@@ -1,9 +1,9 @@
 """Per-node layers: operations whose gradients map over nodes at the accelerator's speed.
 
-``jax.vmap`` over nodes compiles some per-node backward passes into slow forms: a convolution's weight gradient
-becomes a grouped convolution whose window is the whole image. The layers here keep XLA's forward pass and
-choose, per platform when the program is lowered, a formulation of the gradient that maps over nodes as batched
-matrix products. Each has the signature of the ``jax.lax`` operation it replaces, so a flax model takes it as one
+``jax.vmap`` over nodes compiles some per-node passes into slow forms: a convolution's weight gradient becomes a
+grouped convolution whose window is the whole image, and XLA:CPU runs every grouped convolution slowly. The layers
+here choose, per platform when the program is lowered, a formulation that maps over nodes as batched matrix
+products, and keep only what XLA's own form keeps for the backward pass. Each has the signature of the ``jax.lax`` operation it replaces, so a flax model takes it as one
 argument.
 
 Example:

@@ -1,15 +1,19 @@
-"""A convolution whose per-node weight gradient is a sum of shifted matrix products.
+"""A per-node convolution whose gradients map over nodes as matrix products.
 
-``vmap`` over nodes turns a convolution's weight gradient into a grouped convolution whose window is the whole
-image (one group per node); XLA:GPU runs that as a forward cuDNN convolution at a fraction of the speed of a
-backward-filter kernel. Written as one matrix product per kernel offset, contracting the batch and the space of the
-shifted, padded input against the output cotangent, the same gradient maps over nodes as batched matrix products.
+``vmap`` over nodes turns a convolution into grouped convolutions (one group per node), its weight gradient into
+one whose window is the whole image. XLA:GPU runs that weight gradient as a forward cuDNN convolution at a fraction
+of the speed of a backward-filter kernel; written as one matrix product per kernel offset, contracting the batch and
+the space of the shifted, padded input against the output cotangent (the *shifted* form), it maps over nodes as
+batched matrix products. XLA:CPU runs every grouped convolution slowly; there the whole convolution is one matrix
+product of the input's patches against the flattened kernel (the *patches* form). Both keep only the input and the
+kernel for the backward pass (``jax.checkpoint``) and recompute the shifted slices there.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 from typing import Any, Literal, Sequence
 
@@ -18,10 +22,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-WEIGHT_GRADS = ("auto", "shifted", "xla")
+WEIGHT_GRADS = ("auto", "shifted", "patches", "xla")
 PADDINGS = ("SAME", "SAME_LOWER", "VALID")
 _LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 _NAME = "gj.layers.conv_general_dilated"
+# ``auto`` writes a convolution as matrix products only up to this many kernel offsets (3x3): past it (a 7x7 stem)
+# the products' count makes the program slow to compile for little gain, and XLA's own form is kept.
+_MAX_OFFSETS = 9
 
 
 def conv_general_dilated(
@@ -38,12 +45,12 @@ def conv_general_dilated(
     preferred_element_type: Any = None,
     out_sharding: Any = None,
     *,
-    weight_grad: Literal["auto", "shifted", "xla"] = "auto",
+    weight_grad: Literal["auto", "shifted", "patches", "xla"] = "auto",
 ) -> jax.Array:
-  """``jax.lax.conv_general_dilated`` with a weight gradient that maps over nodes at a GPU's speed.
+  """``jax.lax.conv_general_dilated`` with gradients that map over nodes at the platform's speed.
 
-  The value, the forward pass and the gradient with respect to ``lhs`` are XLA's. The tangent in ``rhs`` (the
-  kernel) is written as a sum over kernel offsets of matrix products of the shifted, padded input against the
+  In the shifted form (the default on a GPU), the value, the forward pass and the gradient with respect to ``lhs``
+  are XLA's. The tangent in ``rhs`` (the kernel) is written as a sum over kernel offsets of matrix products of the shifted, padded input against the
   kernel's slice at that offset, so that reverse mode transposes it into the weight gradient
 
   .. math::
@@ -53,17 +60,26 @@ def conv_general_dilated(
 
   one matrix product per offset ``k`` contracting batch and space, where XLA's own transpose is a convolution whose
   window is the whole image. Under ``jax.vmap`` over nodes these become batched matrix products; XLA's form becomes
-  a grouped convolution (``feature_group_count`` = nodes) that XLA:GPU runs as a slow forward cuDNN kernel.
+  a grouped convolution (``feature_group_count`` = nodes) that XLA:GPU runs as a slow forward cuDNN kernel. The
+  backward pass keeps the input, not one shifted slice of it per offset: the slices are recomputed there
+  (``jax.checkpoint``), so reverse mode saves what XLA's own convolution saves.
 
-  Forward mode works: the function is a ``jax.custom_jvp`` whose tangent is linear in both arguments, so
-  ``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``, ``jax.hessian`` and higher derivatives go through it.
-  Low precision (bfloat16, float16 inputs without a ``preferred_element_type``): each offset's product is a 16-bit
+  In the patches form (the default on a CPU), the whole convolution is one matrix product of the input's patches
+  (its shifted slices side by side in the feature dimension) against the kernel flattened to (offsets x input
+  features, output features). Its derivatives are those of plain ``lax`` operations: under ``jax.vmap`` over nodes
+  every one of them is a batched matrix product, where XLA:CPU runs the grouped convolutions of XLA's form at a
+  fraction of the speed of one convolution per node. The patches are recomputed in the backward pass, not saved.
+
+  Forward mode works in every form: the shifted one is a ``jax.custom_jvp`` whose tangent is linear in both
+  arguments, so ``jax.jvp``, ``jax.linearize``, ``jax.jacfwd``, ``jax.hessian`` and higher derivatives go through it.
+  Low precision in the shifted form (bfloat16, float16 inputs without a ``preferred_element_type``): each offset's
+  product is a 16-bit
   matrix product, which a GPU's matrix units accumulate in float32, the sum over offsets is in float32, and the
   weight gradient comes back in the kernel's dtype. (A float32 ``preferred_element_type`` on the products would
   turn the weight gradient into a float32 x float32 product, the 16-bit operands cast up.) With a
   ``preferred_element_type``, the products accumulate in it.
 
-  Where there is no shifted form (``lhs_dilation`` or ``rhs_dilation`` other than 1, ``feature_group_count`` or
+  Where there is no such form (``lhs_dilation`` or ``rhs_dilation`` other than 1, ``feature_group_count`` or
   ``batch_group_count`` above 1, or an ``out_sharding``), this is exactly ``lax.conv_general_dilated``.
 
   Args:
@@ -76,12 +92,13 @@ def conv_general_dilated(
     dimension_numbers: any of ``jax.lax.conv_general_dilated``'s (``("NHWC", "HWIO", "NHWC")`` in flax).
     feature_group_count: as for ``jax.lax.conv_general_dilated``.
     batch_group_count: as for ``jax.lax.conv_general_dilated``.
-    precision: as for ``jax.lax.conv_general_dilated``; the shifted products take it too.
-    preferred_element_type: as for ``jax.lax.conv_general_dilated``; the shifted products accumulate in it.
+    precision: as for ``jax.lax.conv_general_dilated``; the matrix products take it too.
+    preferred_element_type: as for ``jax.lax.conv_general_dilated``; the matrix products accumulate in it.
     out_sharding: as for ``jax.lax.conv_general_dilated``.
-    weight_grad: ``"auto"`` (the default) chooses when the program is lowered: the shifted form on
-      ``cuda`` and ``rocm``, XLA's on every other platform (on XLA:CPU the shifted form is not faster);
-      ``"shifted"`` forces the shifted form, ``"xla"`` XLA's (``lax.conv_general_dilated`` itself).
+    weight_grad: ``"auto"`` (the default) chooses when the program is lowered: for a kernel of at most 9 offsets
+      (3x3, 1x1, 3x1, ...), the shifted form on ``cuda`` and ``rocm`` and the patches form on ``cpu``; XLA's
+      form for larger kernels (a 7x7 stem, whose 49 products compile slowly for little gain) and on every other
+      platform. ``"shifted"``, ``"patches"`` or ``"xla"`` (``lax.conv_general_dilated`` itself) forces one.
 
   Returns:
     The convolution, equal to ``lax.conv_general_dilated``'s.
@@ -116,10 +133,17 @@ def conv_general_dilated(
   if weight_grad == "xla" or plain:
     return xla(lhs, rhs)
   spec = _spec(lhs.shape, rhs.shape, tuple(window_strides), padding, dimension_numbers)
+  if any(n < 1 for n in spec[-1]):  # an empty output: nothing to multiply
+    return xla(lhs, rhs)
   shifted = _shifted_conv(spec, _hashable(precision), preferred_element_type)
+  patches = _patches_conv(spec, _hashable(precision), preferred_element_type)
   if weight_grad == "shifted":
     return shifted(lhs, rhs)
-  return lax.platform_dependent(lhs, rhs, cuda=shifted, rocm=shifted, default=xla)
+  if weight_grad == "patches":
+    return patches(lhs, rhs)
+  if math.prod(spec[-2]) > _MAX_OFFSETS:
+    return xla(lhs, rhs)
+  return lax.platform_dependent(lhs, rhs, cuda=shifted, rocm=shifted, cpu=patches, default=xla)
 
 
 def _integers(value: Any) -> tuple[int, ...] | None:
@@ -201,11 +225,47 @@ def _shifted_conv(spec, precision, preferred_element_type):
     if not isinstance(lhs_dot, SymbolicZero):
       terms.append(xla(lhs_dot, rhs))
     if not isinstance(rhs_dot, SymbolicZero):
-      terms.append(_kernel_tangent(lhs, rhs_dot, spec, precision, preferred_element_type, out.dtype))
+      # Recomputed in the backward pass: the residual is lhs, not one shifted slice of it per kernel offset.
+      tangent = functools.partial(_kernel_tangent, spec=spec, precision=precision,
+                                  preferred_element_type=preferred_element_type, out_dtype=out.dtype)
+      terms.append(jax.checkpoint(tangent)(lhs, rhs_dot))
     return out, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(out)
 
   conv.defjvp(jvp, symbolic_zeros=True)
   return conv
+
+
+@functools.lru_cache(maxsize=512)
+def _patches_conv(spec, precision, preferred_element_type):
+  """The convolution for one geometry as one matrix product of the input's patches, recomputed in the backward."""
+  return jax.checkpoint(functools.partial(_patches, spec=spec, precision=precision,
+                                          preferred_element_type=preferred_element_type))
+
+
+def _patches(lhs, rhs, spec, precision, preferred_element_type):
+  """(the input's patches: a strided slice per kernel offset, side by side) @ (the kernel as a matrix).
+
+  In the canonical layouts (batch, space..., feature) and (space..., in, out): the patches' features are ordered
+  offset-major, as the kernel's rows are once its spatial and input dimensions are flattened together.
+  """
+  lhs_spec, rhs_spec, out_spec, strides, pads, kernel, out_sizes = spec
+  spatial = len(kernel)
+  x = lax.transpose(lhs, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
+  w = lax.transpose(rhs, (*rhs_spec[2:], rhs_spec[1], rhs_spec[0]))
+  x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), *((lo, hi, 0) for lo, hi in pads), (0, 0, 0)])
+  cols = []
+  for offset in itertools.product(*map(range, kernel)):
+    limit = (x.shape[0], *(k + (n - 1) * s + 1 for k, n, s in zip(offset, out_sizes, strides)), x.shape[-1])
+    cols.append(lax.slice(x, (0, *offset, 0), limit, (1, *strides, 1)))
+  patches = cols[0] if len(cols) == 1 else lax.concatenate(cols, spatial + 1)
+  out = lax.dot_general(patches, w.reshape(-1, w.shape[-1]), (((spatial + 1,), (0,)), ((), ())),
+                        precision=precision, preferred_element_type=preferred_element_type)
+  # out is (batch, space..., feature); out_spec says where each of those goes.
+  perm = [0] * out.ndim
+  perm[out_spec[0]], perm[out_spec[1]] = 0, spatial + 1
+  for i, d in enumerate(out_spec[2:]):
+    perm[d] = i + 1
+  return lax.transpose(out, perm)
 
 
 def _kernel_tangent(lhs, rhs_dot, spec, precision, preferred_element_type, out_dtype):

@@ -48,8 +48,8 @@ class CNN(nn.Module):
     num_classes: outputs of the head.
     image_shape: ``(height, width, channels)`` to unflatten inputs given as ``(..., features)``
       (the bundled digits are 64 features, ``(8, 8, 1)``); ``None`` when inputs are images.
-    conv_general_dilated: the convolution, ``gj.layers.conv_general_dilated`` (whose per-node weight
-      gradient runs as matrix products on a GPU, XLA's convolution elsewhere) unless given.
+    conv_general_dilated: the convolution, ``gj.layers.conv_general_dilated`` (whose per-node gradients run
+      as matrix products on a GPU and a CPU) unless given.
 
   Example:
     The bundled digits, given flat:
