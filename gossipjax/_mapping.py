@@ -133,7 +133,8 @@ class _NodeMap:
     args = self._place(args, in_axes)
     call = self._mapped(fn, in_axes, out_axes)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-      return call(*args)  # inside the caller's jit (or eval_shape): traced once with it
+      with mesh_of_explicit(self.mesh, args):  # inside the caller's jit (or eval_shape): traced once with it
+        return call(*args)
     # Called eagerly: one compiled program per layout, not op by op at every call. On an
     # Explicit mesh vmap's broadcasts of per-node values are placed through the mesh context.
     try:
@@ -160,7 +161,7 @@ class _NodeMap:
     found = self._layouts.get(key)
     if found is None:
       declared: set[str] = set()
-      with _collecting(declared):
+      with _collecting(declared), mesh_of_explicit(self.mesh, params):
         stacked = jax.eval_shape(self._mapped(self.inner.init, 0, 0), params)
       unguarded = unguarded_under_gate(stacked)
       if unguarded and not self.axis.local:
@@ -254,7 +255,10 @@ class _NodeMap:
     is_axis = lambda a: a is None
     key = ("update", statics, lay, jax.tree.structure(in_axes, is_leaf=is_axis),
            tuple(jax.tree.leaves(in_axes, is_leaf=is_axis)))
-    return self._run(fn, in_axes, out_axes, (updates, state, params, arrays), key)
+    new, state = self._run(fn, in_axes, out_axes, (updates, state, params, arrays), key)
+    # As after init: a per-node leaf that one node's code computes from shapes alone (a message's
+    # bit count) leaves the mapping unplaced, and the next step would see a state laid out anew.
+    return new, follow_placement(state, updates if params is None else params)
 
   def transform(self) -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(self.init, self.update)

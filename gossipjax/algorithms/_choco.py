@@ -57,7 +57,20 @@ class ChocoState(NamedTuple):
 
 
 def _raw_key(key: Any, name: str) -> jax.Array:
-  """A PRNG key as raw uint32 words: from an int seed, a typed key (``jax.random.key``) or a raw key."""
+  """A PRNG key as raw uint32 words: from an int seed, a typed key (``jax.random.key``) or a raw key.
+
+  Concrete even where a method is built inside a trace (``optax.inject_hyperparams``, a
+  per-node hyperparameter's method built for one node inside the mapping), and there outside
+  the trace's abstract mesh, under which JAX computes nothing eagerly.
+  """
+  with jax.ensure_compile_time_eval(), jax.sharding.use_abstract_mesh(_NO_MESH):
+    return _raw_key_words(key, name)
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _raw_key_words(key: Any, name: str) -> jax.Array:
   if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
     return jax.random.PRNGKey(int(key))
   if isinstance(key, (jax.Array, np.ndarray)) and key.shape == () and jnp.issubdtype(key.dtype, jnp.integer):
@@ -288,8 +301,7 @@ def choco_sgd(
   state_dtype = check_state_dtype(state_dtype, "gj.choco_sgd")
   mixer = make_mixer(topology, backend, name="gj.choco_sgd")
   contraction = compressor.contraction()
-  with jax.ensure_compile_time_eval():  # concrete even when built inside a trace (optax.inject_hyperparams)
-    base_key = _raw_key(key if seed is None else seed, "gj.choco_sgd")
+  base_key = _raw_key(key if seed is None else seed, "gj.choco_sgd")
   if seed is not None and not (isinstance(key, int) and key == 0):
     raise ValueError("gj.choco_sgd: give key or seed, not both (seed=s is key=s)")
   # Compression is per node; on stacked trees the backend's map keeps it on the device that holds

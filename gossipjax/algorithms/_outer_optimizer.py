@@ -259,8 +259,7 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
   """`outer_optimizer`, with ``name`` (the public function called) in its error messages."""
   form = check_mean_form(compressed_mean, name)
   check_compressor(compressor, name, "gj.compress.top_k(0.1)")
-  with jax.ensure_compile_time_eval():  # concrete even when built inside a trace (optax.inject_hyperparams)
-    base_key = _raw_key(key, name)
+  base_key = _raw_key(key, name)
   check_transform(inner, name, "inner", "optax.adamw(4e-4)")
   check_transform(outer, name, "outer", "optax.sgd(0.7, momentum=0.9, nesterov=True)")
   period = check_period(inner_steps, name, "inner_steps")

@@ -145,16 +145,22 @@ def explicit_mesh(tree: Any) -> Any:
 
 
 def mesh_of_explicit(mesh: Any, tree: Any) -> contextlib.AbstractContextManager[Any, None]:
-  """``jax.set_mesh`` of ``mesh``, or of the mesh ``tree`` is placed on, where that mesh has Explicit axes.
+  """The mesh context of ``mesh``, or of the mesh ``tree`` is placed on, where that mesh has Explicit axes.
 
-  A ``jax.jit`` called eagerly on arrays of an Explicit mesh needs the mesh as its context
-  when it builds values of its own (zeros, iotas) that JAX types with the mesh's axes.
-  Elsewhere (no such mesh, or under a trace, which has its context) it does nothing.
+  JAX types the values a function builds of its own (zeros, iotas, ``lax.axis_index`` under a
+  ``jax.vmap`` over an Explicit node axis) with the context's mesh, and refuses a spec whose
+  axes that mesh lacks. Eagerly that is ``jax.set_mesh`` (a ``jax.jit`` called on arrays of an
+  Explicit mesh needs it); under a trace, which ``set_mesh`` refuses, the mesh's abstract form
+  (``jax.sharding.use_abstract_mesh``). Where there is no such mesh it does nothing.
   """
   if mesh is None or not _explicit_names(mesh):
     mesh = explicit_mesh(tree)
-  if not isinstance(mesh, jax.sharding.Mesh):
+  if mesh is None:
     return contextlib.nullcontext()
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return jax.sharding.use_abstract_mesh(mesh)
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
   return jax.sharding.set_mesh(mesh)
 
 
@@ -194,8 +200,9 @@ def follow_placement(tree: Any, params: Any) -> Any:
   What an algorithm's ``init`` calls on the per-node arrays it builds from scratch (PRNG
   keys, push-sum weights, counters per node): on a sharded node axis they are then sharded
   the same way, as a state built by ``zeros_like(params)`` already is, and a later
-  ``shard_map`` over the node axis accepts them on Explicit meshes too. Unplaced params
-  leave ``tree`` as it is.
+  ``shard_map`` over the node axis accepts them on Explicit meshes too. An array whose node
+  axis is placed so already keeps its layout (a moment split over a node's devices as its
+  param is). Unplaced params leave ``tree`` as it is.
 
   Args:
     tree: arrays built by an ``init``; those whose leading axis is the params' node count
@@ -224,6 +231,9 @@ def follow_placement(tree: Any, params: Any) -> Any:
   def put(x):
     if getattr(x, "ndim", 0) == 0 or x.shape[0] != n:
       return x
+    placed = node_sharding(x)
+    if placed is not None and placed.mesh == target.mesh and placed.spec == target.spec:
+      return x  # its node axis is placed already; its layout on the other axes (a model split) is kept
     if isinstance(x, jax.core.Tracer):
       if target.spec[0] in _explicit_names(target.mesh):
         return jax.sharding.reshard(x, target)
