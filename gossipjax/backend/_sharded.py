@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gossipjax._axis import pieces_over
 from gossipjax.backend import _cpu_threads
+from gossipjax.backend._base import mesh_of_explicit
 from gossipjax.backend._map import InAxes, check_node_axes, per_argument_axes
 from gossipjax.backend._precision import mean_terms
 from gossipjax.backend._traffic import note_all_to_all, note_gather, note_gossip, note_mean
@@ -492,7 +493,10 @@ class Sharded:
       args = tuple(conform(arg, self.mesh, jax.tree.map(keep_layout, _broadcast_spec(spec, arg), arg,
                                                         is_leaf=lambda v: isinstance(v, P)))
                    for arg, spec in zip(args, specs))
-      return body(*args)
+      # Called eagerly, the mesh context gives the program its devices where no input it uses has
+      # them (a message's bit count that depends on the shapes alone).
+      with mesh_of_explicit(self.mesh, args):
+        return body(*args)
 
     return mapped
 
