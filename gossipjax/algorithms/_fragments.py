@@ -21,8 +21,11 @@ import math
 from fractions import Fraction
 from typing import Any, NamedTuple, Sequence
 
+import jax
+import jax.core  # jax.core.Tracer: a type checker sees the submodule only where it is imported
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gossipjax._axis import mapping
 
@@ -114,12 +117,42 @@ def check_fragments(leaves: list[Any], num_fragments: int, split: str, name: str
   return fragment_plan(shapes, tuple(jnp.dtype(x.dtype).itemsize for x in leaves), num_fragments, split)
 
 
+def _explicit_sharding(x: Any) -> NamedSharding | None:
+  """``x``'s sharding (its type under a trace) where its mesh has Explicit axes, else ``None``."""
+  sharding = jax.typeof(x).sharding if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and jax.sharding.AxisType.Explicit in sharding.mesh.axis_types:
+    return sharding
+  return None
+
+
+def _rows(x: Any, keep: int) -> Any:
+  """``x`` reshaped to ``x.shape[:keep] + (-1,)``, on an Explicit mesh the merged axis whole on each device.
+
+  JAX asks a reshape for its result's layout where the merged axes are split (a leaf laid out
+  ``P("nodes", None, "model")``), and a slice of a split merged axis would ask again; the kept
+  (node) axes keep theirs.
+  """
+  shape = tuple(jnp.shape(x)[:keep]) + (-1,)
+  sharding = _explicit_sharding(x)
+  if sharding is None:
+    return jnp.reshape(x, shape)
+  spec = tuple(sharding.spec) + (None,) * keep
+  return jnp.reshape(x, shape, out_sharding=NamedSharding(sharding.mesh, P(*spec[:keep])))
+
+
+def _reshaped_as(x: Any, like: Any) -> Any:
+  """``x`` reshaped to ``like``'s shape, on an Explicit mesh laid out as ``like`` is (`_rows` undone)."""
+  sharding = _explicit_sharding(like)
+  if sharding is None or _explicit_sharding(x) is None:
+    return jnp.reshape(x, jnp.shape(like))
+  return jnp.reshape(x, jnp.shape(like), out_sharding=sharding)
+
+
 def take(x: Any, piece: Piece) -> Any:
   """The piece of leaf ``x`` (node-stacked: every node's piece)."""
   if piece.whole:
     return x
-  flat = x.reshape(-1) if mapping() is not None else x.reshape(x.shape[0], -1)
-  return flat[..., piece.start:piece.stop]
+  return _rows(x, 0 if mapping() is not None else 1)[..., piece.start:piece.stop]
 
 
 def split_leaves(plan: tuple[tuple[Piece, ...], ...], leaves: list[Any]) -> list[list[Any]]:
@@ -134,4 +167,4 @@ def join_leaves(plan: tuple[tuple[Piece, ...], ...], parts: list[list[Any]], lik
     for piece, value in zip(fragment, values):
       pieces[piece.leaf].append(value)
   return [own[0] if len(own) == 1 and own[0].shape == jnp.shape(x) else
-          jnp.concatenate(own, axis=-1).reshape(jnp.shape(x)) for own, x in zip(pieces, like)]
+          _reshaped_as(jnp.concatenate(own, axis=-1), x) for own, x in zip(pieces, like)]
