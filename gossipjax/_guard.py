@@ -138,8 +138,10 @@ def _num_nodes(tree: Any, what: str) -> int | None:
 
 def _bad_nodes(tree: Any, n: int | None) -> jax.Array:
   """Per node, whether any floating-point leaf of ``tree`` holds a NaN or inf (other leaves are finite)."""
+  # A sum over a node's axes, not a (n, -1) reshape, which a leaf split over a node's devices on an
+  # Explicit mesh (P("nodes", None, "model")) cannot take without a layout for the merged axis.
   counts = [(~jnp.isfinite(x)).sum(dtype=jnp.float32) if n is None
-            else (~jnp.isfinite(x)).reshape(n, -1).sum(axis=1, dtype=jnp.float32)
+            else (~jnp.isfinite(x)).sum(axis=tuple(range(1, x.ndim)), dtype=jnp.float32)
             for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
   if not counts:
     return jnp.zeros(() if n is None else (n,), bool)
