@@ -194,7 +194,7 @@ def benchmark_pages():
   out = DOCS / "results"
   bench = out / "benchmarks.md"
   parts = {(ROOT / "benchmarks" / "results" / f"{name}.md").resolve(): out / f"benchmarks_{name}.md"
-           for name in ("communication", "scale", "lm_step")}
+           for name in ("communication", "scale", "lm_step", "per_node_conv")}
   links = {(ROOT / "benchmarks" / "RESULTS.md").resolve(): bench, **parts}
   intro = ["# Benchmarks", "",
            "`python -m benchmarks` runs the suite in `benchmarks/` (`--quick` for a smoke run, `--only NAME ...`",
