@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import gossipjax as gj
 
-# Per-node convolutions: on a GPU their weight gradients run as matrix products (gj.layers).
+# Per-node convolutions: their gradients run as matrix products on a GPU and on a CPU (gj.layers).
 Conv = functools.partial(nn.Conv, conv_general_dilated=gj.layers.conv_general_dilated)
 
 
