@@ -90,7 +90,7 @@ class _NodeMap:
   """`gj.nodes`'s transform: ``tx`` for one node, mapped over node-stacked trees with `jax.vmap`."""
 
   def __init__(self, tx: Any, backend: Any, per_node_args: Sequence[str], where: str, local: bool = False):
-    self.inner = optax.with_extra_args_support(tx)
+    self.inner = _with_extra_args(tx)
     self.backend = backend
     self.axis = NodeAxis(backend, where, local)
     self.where = where
@@ -264,6 +264,17 @@ class _NodeMap:
     return optax.GradientTransformationExtraArgs(self.init, self.update)
 
 
+def _with_extra_args(tx: Any) -> optax.GradientTransformationExtraArgs:
+  """``tx`` as a transform whose ``update`` takes extra arguments, passing them on where ``tx`` takes them.
+
+  ``optax.with_extra_args_support`` drops them for an object that is not an optax transform but has
+  its two methods (``optax.MultiSteps``, whose ``update`` passes them to the optimizer it wraps).
+  """
+  if isinstance(tx, optax.GradientTransformation):
+    return optax.with_extra_args_support(tx)
+  return optax.GradientTransformationExtraArgs(tx.init, tx.update)
+
+
 def _is_transform(tx: Any) -> bool:
   """An optax transform, or an object with its two methods (``optax.MultiSteps``)."""
   return callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
@@ -420,6 +431,4 @@ def chain(*transforms: optax.GradientTransformation, backend: Any = None,
     if not _is_transform(t):
       hint = " (a function: call it, e.g. optax.adam(1e-3))" if callable(t) else ""
       raise TypeError(f"gj.chain: argument {i} is not an optax transform, got {t!r}{hint}")
-  parts = [t if isinstance(t, optax.GradientTransformation) else optax.GradientTransformationExtraArgs(t.init, t.update)
-           for t in transforms]
-  return _NodeMap(optax.chain(*parts), resolve_backend(backend), per_node_args, "gj.chain").transform()
+  return _NodeMap(optax.chain(*map(_with_extra_args, transforms)), resolve_backend(backend), per_node_args, "gj.chain").transform()

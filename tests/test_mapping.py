@@ -392,3 +392,26 @@ def test_a_per_node_gate_around_an_exchange_that_would_pass_a_nan_on_is_refused(
     # Under gj.guard_finite the node's step is skipped for every method: accepted, also under the gate.
     gj.chain(optax.apply_if_finite(gj.guard_finite(factory(**kwargs)), 3)).init(x)
   gj.chain(optax.apply_if_finite(optax.chain(optax.adam(0.1), gj.mix(W)), 3)).init(x)
+
+
+@pytest.mark.parametrize("make", [lambda: optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1)),
+                                  lambda: optax.polyak_sgd(max_learning_rate=0.5)],
+                         ids=["reduce_on_plateau", "polyak_sgd"])
+def test_multisteps_passes_the_extra_arguments_on_under_gj_nodes(make):
+  """optax.MultiSteps is not an optax transform but passes ``value=`` on: gj.nodes keeps it, as gj.chain does."""
+  rng = np.random.default_rng(5)
+  x0 = jnp.asarray(rng.normal(size=(3, 2)))
+  grads = [jnp.asarray(rng.normal(size=(3, 2))) for _ in range(3)]
+  tx = gj.nodes(optax.MultiSteps(make(), 2), per_node_args=("value",))
+  x, s = x0, tx.init(x0)
+  for g in grads:
+    u, s = tx.update(g, s, x, value=jnp.sum(x**2, axis=1))
+    x = optax.apply_updates(x, u)
+  one = optax.MultiSteps(make(), 2)
+  one_update = jax.jit(one.update)
+  for i in range(3):
+    xi, si = x0[i], one.init(x0[i])
+    for g in grads:
+      u, si = one_update(g[i], si, xi, value=jnp.sum(xi**2))
+      xi = optax.apply_updates(xi, u)
+    np.testing.assert_allclose(x[i], xi, rtol=0, atol=1e-12)
