@@ -236,9 +236,13 @@ class _NodeMap:
       arrays[name], axes[name] = value, jax.tree.map(lambda _: 0, value)
     return arrays, axes, static
 
-  def _update_one(self, static: tuple[tuple[str, Any], ...], updates: Any, state: Any, params: Any,
+  def _update_one(self, static: tuple[tuple[str, Any], ...], treedef: Any, updates: Any, state: Any, params: Any,
                   extra: dict[str, Any]) -> Any:
     new, state = self.inner.update(updates, state, params, **extra, **dict(static))
+    if jax.tree.structure(state) != treedef:
+      raise ValueError(f"{self.where}: {_changed_state(jax.tree.unflatten(treedef, [0] * treedef.num_leaves), state)}"
+                       "; a transform mapped over nodes must keep its state's structure from step to step "
+                       "(init must return the structure that update returns)")
     return new, settle_shared(state, shared_leaves(state))
 
   def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
@@ -251,7 +255,7 @@ class _NodeMap:
     in_axes = (0, state_axes, None if params is None else 0, extra_axes)
     out_axes = (0, jax.tree.unflatten(lay.treedef, [None if s else 0 for s in lay.shared]))
     statics = tuple(sorted(static.items()))
-    fn = functools.partial(self._update_one, statics)
+    fn = functools.partial(self._update_one, statics, lay.treedef)
     is_axis = lambda a: a is None
     key = ("update", statics, lay, jax.tree.structure(in_axes, is_leaf=is_axis),
            tuple(jax.tree.leaves(in_axes, is_leaf=is_axis)))
@@ -278,6 +282,27 @@ def _with_extra_args(tx: Any) -> optax.GradientTransformationExtraArgs:
 def _is_transform(tx: Any) -> bool:
   """An optax transform, or an object with its two methods (``optax.MultiSteps``)."""
   return callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+
+
+def _changed_state(before: Any, after: Any) -> str:
+  """Where a state's structure changed in an update, and the state class that holds that part."""
+  owner, where = None, ""
+
+  def level(t):
+    return jax.tree.structure(t, is_leaf=lambda x: x is not t)
+
+  def children(t):
+    return jax.tree_util.tree_flatten_with_path(t, is_leaf=lambda x: x is not t)[0]
+
+  while level(before) == level(after) and jax.tree.structure(before) != jax.tree.structure(after):
+    if type(before) not in (tuple, list, dict):
+      owner, where = before, ""
+    (path, before), after = next(((p, b), a) for (p, b), (_, a) in zip(children(before), children(after))
+                                 if jax.tree.structure(b) != jax.tree.structure(a))
+    where += jax.tree_util.keystr(path)
+  holder = f"the transform whose state is {type(owner).__name__}" if owner is not None else "this transform"
+  return (f"{holder} changes its state's structure in update (at {where or '<root>'}: "
+          f"{_short(jax.tree.structure(before))} after init, {_short(jax.tree.structure(after))} after update)")
 
 
 def _short(treedef: Any) -> str:

@@ -415,3 +415,14 @@ def test_multisteps_passes_the_extra_arguments_on_under_gj_nodes(make):
       u, si = one_update(g[i], si, xi, value=jnp.sum(xi**2))
       xi = optax.apply_updates(xi, u)
     np.testing.assert_allclose(x[i], xi, rtol=0, atol=1e-12)
+
+
+def test_a_state_that_changes_structure_in_update_is_named_in_one_line():
+  """optax.monitor's measurements are {} after init and hold a value after update: vmap could not stack them."""
+  x = jnp.ones((3, 2))
+  tx = gj.nodes(optax.chain(optax.sgd(0.1), optax.monitor({"norm": optax.tree.norm})))
+  with pytest.raises(ValueError, match=r"^gj\.nodes: the transform whose state is MonitorState changes its state's "
+                                       r"structure in update \(at \.measurements: .*\); a transform mapped over nodes "
+                                       r"must keep its state's structure from step to step") as err:
+    tx.update(x, tx.init(x), x)
+  assert "\n" not in str(err.value)
