@@ -76,6 +76,18 @@ def _collecting(names: set[str]) -> Iterator[None]:
     _DECLARED.reset(token)
 
 
+class StateNotStackableError(TypeError):
+  """A mapped transform's state has a leaf that is not an array, so it cannot be stacked over nodes."""
+
+
+class _RaisedByInit(Exception):
+  """Carries an error that the one-node transform's own ``init`` raised out of the mapping, untouched."""
+
+  def __init__(self, error: BaseException):
+    super().__init__(error)
+    self.error = error
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   """What `init` decides once for params of one structure: the state's structure and its shared leaves."""
@@ -151,8 +163,15 @@ class _NodeMap:
 
   # -- the state's layout, decided once by init ---------------------------------------------------
 
+  def _init_user(self, params: Any) -> Any:
+    # A TypeError from the user's own init is theirs, not one of stacking the state it returns.
+    try:
+      return self.inner.init(params)
+    except TypeError as e:
+      raise _RaisedByInit(e) from None
+
   def _init_one(self, params: Any) -> Any:
-    state = self.inner.init(params)
+    state = self._init_user(params)
     return settle_shared(state, shared_leaves(state))
 
   def layout(self, params: Any) -> _Layout:
@@ -162,7 +181,7 @@ class _NodeMap:
     if found is None:
       declared: set[str] = set()
       with _collecting(declared), mesh_of_explicit(self.mesh, params):
-        stacked = jax.eval_shape(self._mapped(self.inner.init, 0, 0), params)
+        stacked = jax.eval_shape(self._mapped(self._init_user, 0, 0), params)
       unguarded = unguarded_under_gate(stacked)
       if unguarded and not self.axis.local:
         raise ValueError(f"{self.where}: optax.apply_if_finite around a gossipjax method whose exchange would pass "
@@ -185,10 +204,12 @@ class _NodeMap:
       lay = self.layout(params)
       out_axes = jax.tree.unflatten(lay.treedef, [None if s else 0 for s in lay.shared])
       state = self._run(self._init_one, (0,), out_axes, (params,), ("init", lay))
+    except _RaisedByInit as e:
+      raise e.error from None
     except TypeError as e:
-      raise TypeError(f"{self.where}: the state of this transform cannot be stacked over nodes "
-                      f"({str(e).splitlines()[0]}); a transform mapped over nodes needs a state whose leaves are "
-                      "arrays") from e
+      raise StateNotStackableError(f"{self.where}: the state of this transform cannot be stacked over nodes "
+                                   f"({str(e).splitlines()[0]}); a transform mapped over nodes needs a state whose "
+                                   "leaves are arrays") from e
     # The per-node state sits where the params' nodes sit (an Auto mesh's compiler would
     # otherwise be free to put all of it on one device).
     return follow_placement(state, params)

@@ -426,3 +426,19 @@ def test_a_state_that_changes_structure_in_update_is_named_in_one_line():
                                        r"must keep its state's structure from step to step") as err:
     tx.update(x, tx.init(x), x)
   assert "\n" not in str(err.value)
+
+
+def test_a_type_error_in_the_users_own_init_is_the_users():
+  """Only a state that cannot be stacked is reported as such; an error the user's init raises comes out as it is."""
+
+  def init(params):
+    raise TypeError("my init wants a dict")
+
+  mine = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+  x = jnp.ones((N, 2))
+  for tx in (gj.nodes(mine), gj.chain(optax.sgd(0.1), mine), gj.per_node(mine), gj.diloco(mine, inner_steps=2)):
+    with pytest.raises(TypeError, match=r"^my init wants a dict$"):
+      tx.init(x)
+  labelled = optax.GradientTransformation(lambda p: {"name": "adam"}, lambda u, s, p=None: (u, s))
+  with pytest.raises(TypeError, match=r"^gj\.nodes: the state of this transform cannot be stacked over nodes"):
+    gj.nodes(labelled).init(x)

@@ -18,7 +18,7 @@ from jax.typing import DTypeLike
 
 from gossipjax._axis import mapping, own_leaves
 from gossipjax._guard import SkipNodes, zero_skipped
-from gossipjax._mapping import per_node
+from gossipjax._mapping import StateNotStackableError, per_node
 from gossipjax._validation import (FLOAT32_MAX, check_in_range, check_learning_rate, check_node_axis, check_period,
                                    require_params)
 from gossipjax.algorithms._choco import _DecodeReceived, _raw_key
@@ -271,7 +271,7 @@ def _outer_optimizer(inner: optax.GradientTransformation, outer: optax.GradientT
   def stacked_init(tx, params, arg):
     try:
       return tx.init(params)
-    except TypeError as e:
+    except StateNotStackableError as e:
       raise TypeError(f"{name}: the state of {arg} cannot be stacked per node ({e}); every node runs its own "
                       f"{arg}, so its state must be a pytree of arrays") from e
 
