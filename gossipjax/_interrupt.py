@@ -96,6 +96,13 @@ class Interruption:
     self._next(read, self._grace)  # a second Ctrl-C ends it at once
     self.exit()
 
+  def _out_of_the_hook(self) -> None:
+    # Waits, at most the grace period, until the main thread has left the hook: interrupted inside it
+    # again, it would ask again, and the hook would never return.
+    main, end = threading.main_thread().ident or 0, time.monotonic() + self._grace
+    while _inside_the_hook(sys._current_frames().get(main)) and time.monotonic() < end:
+      time.sleep(0.002)
+
   def _interrupt_main(self) -> None:
     # Through Python's handler, which writes to the pipe too: a byte that is not a Ctrl-C.
     self._echoes += 1
@@ -111,6 +118,7 @@ class Interruption:
       got = os.read(read, 64)
       if self._again:
         self._again = False
+        self._out_of_the_hook()
         self._interrupt_main()
       heard = got.count(int(signal.SIGINT))
       taken = min(heard, self._echoes)

@@ -104,12 +104,26 @@ def early():  # a thread an import started before the command line blocked SIGIN
 thread = threading.Thread(target=early, daemon=True)
 thread.start()
 started.wait()
-interruption = Interruption(lambda: "interrupted at step 7")
-assert interruption.install()
-def spin():
-  end = time.monotonic() + 20
+def spin(seconds=20):
+  end = time.monotonic() + seconds
   while time.monotonic() < end:  # Python code: it unwinds at once
     pass
+def slow_hook(unraisable):  # the hook the interruption hands other ignored errors to; Ctrl-C comes inside it
+  os.kill(os.getpid(), signal.SIGINT)
+  time.sleep(0.3)
+  spin(0.3)
+asked = []  # how often the interruption asked to be raised again once out of the hook: once
+def again_after(self, ask=Interruption._again_after):
+  asked.append(1)
+  ask(self)
+Interruption._again_after = again_after
+if sys.argv[1] == "inside_the_hook":
+  sys.unraisablehook = slow_hook
+interruption = Interruption(lambda: "interrupted at step 7")
+assert interruption.install()
+class Failing:
+  def __del__(self):
+    raise ValueError("ignored")
 class Collected:
   def __del__(self):  # Python ignores what a __del__ (or a garbage-collection callback) raises
     os.kill(os.getpid(), signal.SIGINT)
@@ -118,18 +132,20 @@ try:
   try:
     if sys.argv[1] == "early_thread":
       signal.pthread_kill(thread.ident, signal.SIGINT)
+    elif sys.argv[1] == "inside_the_hook":
+      Failing()
     else:
       Collected()
     spin()
   finally:
-    print("unwound", flush=True)
+    print("unwound" if len(asked) <= 1 else f"unwound, asked {len(asked)} times", flush=True)
 except KeyboardInterrupt:
   assert interruption.fired
   interruption.exit()
 """
 
 
-@pytest.mark.parametrize("where", ["early_thread", "ignored_by_python"])
+@pytest.mark.parametrize("where", ["early_thread", "ignored_by_python", "inside_the_hook"])
 def test_ctrl_c_wherever_python_meets_it_is_one_line_and_status_130(where):
   started = time.monotonic()
   proc = subprocess.run([str(BIN / "python"), "-c", _SCRIPT, where], capture_output=True, text=True, timeout=60,
