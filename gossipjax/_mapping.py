@@ -257,6 +257,20 @@ class _NodeMap:
       arrays[name], axes[name] = value, jax.tree.map(lambda _: 0, value)
     return arrays, axes, static
 
+  def _undeclared_per_node(self, error: Exception, arrays: dict[str, Any], declared: frozenset[str], n: int) -> None:
+    """On a failed update, names a shared extra argument that looks like one value per node (leading axis n)."""
+    names = [name for name, value in arrays.items() if name not in declared
+             and all(jnp.ndim(x) and jnp.shape(x)[0] == n for x in jax.tree.leaves(value))]
+    if names:
+      one = len(names) == 1
+      shapes = ", ".join(f"{name} (shape {jnp.shape(jax.tree.leaves(arrays[name])[0])})" for name in names)
+      quoted = ", ".join(f'"{name}"' for name in names) + ("," if one else "")
+      raise ValueError(f"{self.where}: the update failed ({str(error).splitlines()[0]}); the extra argument"
+                       f"{'' if one else 's'} {shapes}, whose leading axis is the node count, "
+                       f"{'is' if one else 'are'} not declared per node, so every node got {'it' if one else 'them'} "
+                       f"whole; if {'it holds' if one else 'they hold'} one value per node, declare "
+                       f"{'it' if one else 'them'}: `per_node_args=({quoted})`") from error
+
   def _update_one(self, static: tuple[tuple[str, Any], ...], treedef: Any, updates: Any, state: Any, params: Any,
                   extra: dict[str, Any]) -> Any:
     new, state = self.inner.update(updates, state, params, **extra, **dict(static))
@@ -272,7 +286,8 @@ class _NodeMap:
     n = _leading(updates, self.where)
     lay = self.layout(updates if params is None else params)
     state_axes = jax.tree.unflatten(lay.treedef, self._state_axes(state, lay, n))
-    arrays, extra_axes, static = self._extra_axes(extra_args, n, self.per_node_args | lay.per_node_args)
+    declared = self.per_node_args | lay.per_node_args
+    arrays, extra_axes, static = self._extra_axes(extra_args, n, declared)
     in_axes = (0, state_axes, None if params is None else 0, extra_axes)
     out_axes = (0, jax.tree.unflatten(lay.treedef, [None if s else 0 for s in lay.shared]))
     statics = tuple(sorted(static.items()))
@@ -280,7 +295,11 @@ class _NodeMap:
     is_axis = lambda a: a is None
     key = ("update", statics, lay, jax.tree.structure(in_axes, is_leaf=is_axis),
            tuple(jax.tree.leaves(in_axes, is_leaf=is_axis)))
-    new, state = self._run(fn, in_axes, out_axes, (updates, state, params, arrays), key)
+    try:
+      new, state = self._run(fn, in_axes, out_axes, (updates, state, params, arrays), key)
+    except (TypeError, ValueError) as e:
+      self._undeclared_per_node(e, arrays, declared, n)
+      raise
     # As after init: a per-node leaf that one node's code computes from shapes alone (a message's
     # bit count) leaves the mapping unplaced, and the next step would see a state laid out anew.
     return new, follow_placement(state, updates if params is None else params)
@@ -388,8 +407,10 @@ def nodes(tx: optax.GradientTransformation, *, backend: Any = None,
     ValueError: a leaf lacks the node axis, a state was not made by this transform's
       ``init``, a per-node extra argument lacks the node axis, a transform inside was
       built for another backend, ``optax.apply_if_finite`` wraps a method whose exchange
-      would pass a skipped node's NaN on, or a raw collective names an axis that is not
-      bound (``lax.pmean(x, "nodes")``: use `gj.node_mean`).
+      would pass a skipped node's NaN on, a raw collective names an axis that is not
+      bound (``lax.pmean(x, "nodes")``: use `gj.node_mean`), an update fails with an extra
+      argument not in ``per_node_args`` whose leading axis is the node count (the error
+      names it), or ``tx``'s state changes structure in ``update`` (``optax.monitor``).
 
   Example:
     >>> import jax.numpy as jnp, optax, gossipjax as gj

@@ -442,3 +442,16 @@ def test_a_type_error_in_the_users_own_init_is_the_users():
   labelled = optax.GradientTransformation(lambda p: {"name": "adam"}, lambda u, s, p=None: (u, s))
   with pytest.raises(TypeError, match=r"^gj\.nodes: the state of this transform cannot be stacked over nodes"):
     gj.nodes(labelled).init(x)
+
+
+def test_a_failed_update_names_an_undeclared_extra_argument_with_one_value_per_node():
+  """reduce_on_plateau's lax.cond fails on a value of shape (n,) that every node got whole: one line says why."""
+  x = jnp.ones((N, 3))
+  tx = gj.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau())
+  with pytest.raises(ValueError, match=r'^gj\.chain: the update failed \(.*\); the extra argument value \(shape '
+                                       r'\(4,\)\), whose leading axis is the node count, is not declared per node, so '
+                                       r'every node got it whole; if it holds one value per node, declare it: '
+                                       r'`per_node_args=\("value",\)`$'):
+    tx.update(x, tx.init(x), x, value=jnp.arange(4.0))
+  tx = gj.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(), per_node_args=("value",))
+  tx.update(x, tx.init(x), x, value=jnp.arange(4.0))
