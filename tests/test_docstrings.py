@@ -135,3 +135,15 @@ def test_paper_names_are_public():
   for module_name, names in FROM_PAPERS.items():
     module = importlib.import_module(module_name)
     assert names <= set(module.__all__), names - set(module.__all__)
+
+
+def test_the_mapping_collectives_do_not_speak_of_a_string_node_axis():
+  """The node axis that gj.nodes binds is a private axis object, not an axis named "nodes"."""
+  from gossipjax.mixing import _collectives, _node_mixer, _stacked_adapter  # noqa: PLC0415
+
+  docs = {"_collectives": _collectives.__doc__, "_node_mixer": _node_mixer.__doc__,
+          "NodeMixer": _node_mixer.NodeMixer.__doc__, "_stacked_adapter": _stacked_adapter.__doc__,
+          "stacked_transform": _stacked_adapter.stacked_transform.__doc__, "make_mixer": gj.mixing.make_mixer.__doc__}
+  for name, doc in docs.items():
+    text = " ".join((doc or "").split())
+    assert not re.search(r'(?:axis|over) ``"nodes"``|named node axis', text), name

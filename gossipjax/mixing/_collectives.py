@@ -1,10 +1,13 @@
-"""Collectives over the named node axis, implemented by the stacked kernels.
+"""Collectives over the node axis that `gj.nodes` binds, implemented by the stacked kernels.
 
 Inside `gj.nodes` a transform sees one node; its all-reduce mean (and its gossip round, see
-`gossipjax.mixing._node_mixer`) are collectives over the node axis that the mapping binds. Each is a
-``jax.custom_batching.custom_vmap`` (`node_collective`) whose batching rule receives the node-stacked values and calls the backend's stacked mixer or mean
-(the circulant rolls, sparse plans, step tables, buckets and compact wire stay the
-implementation), so the named form costs what the stacked call costs. The same functions
+`gossipjax.mixing._node_mixer`) are collectives over the node axis that the mapping binds: a
+private axis object of gossipjax's (`gossipjax._axis.NodeAxis`), not a string, so no axis of
+the user's, ``"nodes"`` included, is ever taken for it. Each is a
+``jax.custom_batching.custom_vmap`` (`node_collective`) whose batching rule receives the
+node-stacked values and calls the backend's stacked mixer or mean (the circulant rolls, sparse
+plans, step tables, buckets and compact wire stay the implementation), so the mapped form
+costs what the stacked call costs. The same functions
 called on stacked trees, outside any mapping, call the stacked kernels directly.
 """
 

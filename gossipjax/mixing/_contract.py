@@ -77,7 +77,9 @@ def make_mixer(topology: Any, backend: Backend | None = None, stochastic: Stocha
   Returns:
     The backend's `Mixer` for the validated topology, as a `NodeMixer`: on stacked trees its
     ``mix`` is the backend's; inside ``gj.nodes`` (one node) it is a collective over the
-    axis ``"nodes"`` that the same stacked mixer implements.
+    node axis that the mapping binds (gossipjax's own axis, not a string name, so an axis
+    of the user's named ``"nodes"`` is never taken for it), implemented by the same stacked
+    mixer.
 
   Raises:
     ValueError: the topology is not ``stochastic`` as asked, or not connected.

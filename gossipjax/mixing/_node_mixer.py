@@ -1,9 +1,9 @@
-"""The node mixer: a backend's stacked mixer that is also a gossip round over the named node axis.
+"""The node mixer: a backend's stacked mixer that is also a gossip round over the node axis.
 
 Inside `gj.nodes` a transform sees one node, and its gossip round is a collective over the
-axis ``"nodes"``: a ``jax.custom_batching.custom_vmap`` whose batching rule hands the
-node-stacked tree to the backend's stacked mixer. On stacked trees the mixer is called
-directly.
+node axis that the mapping binds (a private axis object, not a string name): a
+``jax.custom_batching.custom_vmap`` whose batching rule hands the node-stacked tree to the
+backend's stacked mixer. On stacked trees the mixer is called directly.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from gossipjax.topology import Topology
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NodeMixer:
-  """A backend's mixer that also runs inside `gj.nodes`, where it is a collective over ``"nodes"``.
+  """A backend's mixer that also runs inside `gj.nodes`, where it is a collective over the node axis.
 
   On stacked trees ``mix`` is the backend's mixer as it is. For one node (inside a mapping)
   ``mix(tree, step)`` returns ``sum_j W(step)[i, j] x_j`` for this node i: a

@@ -1,9 +1,10 @@
 """A transform written over the stacked node axis, adapted to run for one node inside `gj.nodes`.
 
 A method whose own code reads the node axis cannot run on one node's values; inside a
-mapping its ``init`` and ``update`` become collectives over ``"nodes"`` whose batching rule
-hands the node-stacked arguments to the transform itself (`stacked_transform`). `on_nodes`
-maps a per-node function the other way: over the backend's nodes on stacked trees.
+mapping its ``init`` and ``update`` become collectives over the node axis that the mapping
+binds (a private axis object, not a string name), whose batching rule hands the
+node-stacked arguments to the transform itself (`stacked_transform`). `on_nodes` maps a
+per-node function the other way: over the backend's nodes on stacked trees.
 """
 
 from __future__ import annotations
