@@ -29,25 +29,23 @@ LAYOUTS = {"node_split": {"w": P("nodes", None, None), "b": P("nodes", None)},
            "model_split": {"w": P("nodes", None, "model"), "b": P("nodes", "model")}}
 
 # Each transform, from a backend, on node-stacked trees ("bare") and inside gj.chain ("chain").
+STATEFUL = {
+    "choco_sgd": lambda be: gj.choco_sgd(W, gj.compress.top_k(0.5), learning_rate=0.1, consensus_step=0.5,
+                                         backend=be),
+    "diloco": lambda be: gj.diloco(optax.sgd(0.1), inner_steps=1, backend=be),
+    "noloco": lambda be: gj.noloco(optax.sgd(0.1), gj.topology.random_pairs(N), inner_steps=1, backend=be),
+    "streaming_diloco": lambda be: gj.streaming_diloco(optax.sgd(0.1), num_fragments=2, inner_steps=2,
+                                                       fragment_split="balanced", backend=be),
+}
 FORMS = {
     "bare": {
-        "choco_sgd": lambda be: gj.choco_sgd(W, gj.compress.top_k(0.5), learning_rate=0.1, consensus_step=0.5,
-                                             backend=be),
-        "diloco": lambda be: gj.diloco(optax.sgd(0.1), inner_steps=1, backend=be),
-        "noloco": lambda be: gj.noloco(optax.sgd(0.1), gj.topology.random_pairs(N), inner_steps=1, backend=be),
-        "streaming_diloco": lambda be: gj.streaming_diloco(optax.sgd(0.1), num_fragments=2, inner_steps=2,
-                                                           fragment_split="balanced", backend=be),
+        **STATEFUL,
         "per_node_diloco_rates": lambda be: gj.diloco(optax.sgd(0.1), inner_steps=1, backend=be,
                                                       outer_learning_rate=jnp.linspace(0.4, 1.0, N)),
         "guard_finite": lambda be: gj.guard_finite(gj.gossip_sgd(W, learning_rate=0.1, backend=be)),
     },
     "chain": {
-        "choco_sgd": lambda be: gj.choco_sgd(W, gj.compress.top_k(0.5), learning_rate=0.1, consensus_step=0.5,
-                                             backend=be),
-        "diloco": lambda be: gj.diloco(optax.sgd(0.1), inner_steps=1, backend=be),
-        "noloco": lambda be: gj.noloco(optax.sgd(0.1), gj.topology.random_pairs(N), inner_steps=1, backend=be),
-        "streaming_diloco": lambda be: gj.streaming_diloco(optax.sgd(0.1), num_fragments=2, inner_steps=2,
-                                                           fragment_split="balanced", backend=be),
+        **STATEFUL,
         "reduce_on_plateau": lambda be: optax.chain(gj.gossip_sgd(W, learning_rate=0.1, backend=be),
                                                     optax.contrib.reduce_on_plateau(patience=0, factor=0.5)),
     },
