@@ -107,9 +107,9 @@ OUTER_ALGORITHMS = ("diloco", "noloco", "streaming_diloco")
 
 def build_parser() -> argparse.ArgumentParser:
   from gossipjax._limits import MAX_PERIOD
-  from gossipjax.train._names import ALGORITHM_NAMES as ALGORITHMS
-  from gossipjax.train._names import COMPRESSOR_NAMES as COMPRESSORS
-  from gossipjax.train._names import TOPOLOGY_NAMES as TOPOLOGIES
+  from gossipjax.train import ALGORITHM_NAMES as ALGORITHMS  # names only: no JAX is imported
+  from gossipjax.train import COMPRESSOR_NAMES as COMPRESSORS
+  from gossipjax.train import TOPOLOGY_NAMES as TOPOLOGIES
 
   p = _Parser(prog="gossipjax", description="gossipjax train: compare decentralized algorithms and topologies on "
                                              "real data, no network needed.")

@@ -11,5 +11,5 @@ require_train_extra("gossipjax.train")  # one message naming the extra, not the 
 import lazy_loader  # noqa: E402
 
 # Each name (listed, with its module, in __init__.pyi) is imported on first use: the command line
-# lists the algorithms (`gossipjax.train._names`) without importing JAX.
+# lists the algorithms (`ALGORITHM_NAMES`, from `_names`) without importing JAX.
 __getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)
